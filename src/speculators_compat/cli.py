@@ -1,0 +1,123 @@
+"""Command line: ``speculators-compat`` / ``python -m speculators_compat``.
+
+- ``report [--json] [--matrix] [--import-targets]``: versions found, every patch's gate and status.
+- ``demo``: the test-bed demo (tiny model, real generator, HF reference) — see demo.py.
+- ``--version``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _versions_dict(reg) -> dict:
+    return {
+        name: {"distribution": inst.distribution, "version": inst.version}
+        for name, inst in reg.versions.items()
+    }
+
+
+def _import_targets() -> list[str]:
+    """Import speculators' generator and worker modules so that their hooks run (report only)."""
+    errors = []
+    for module in (
+        "speculators.data_generation.vllm_hidden_states_generator",
+        "speculators.data_generation.custom_worker",
+    ):
+        try:
+            __import__(module)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            errors.append(f"import {module}: {type(exc).__name__}: {exc}")
+    return errors
+
+
+def cmd_report(args) -> int:
+    import speculators_compat
+    from .matrix import MatrixError
+
+    reg = speculators_compat.get_registry()
+    versions = reg.versions
+    errors = _import_targets() if args.import_targets else []
+    try:
+        matrix = reg.matrix
+        matrix_error = None
+    except MatrixError as exc:
+        matrix, matrix_error = None, str(exc)
+    records = speculators_compat.report()
+    gates = {}
+    if matrix is not None:
+        vs = reg.version_strings()
+        for pid, rng in matrix.patches.items():
+            gates[pid] = rng.gate(vs) or "in range"
+    out = {
+        "speculators_compat": speculators_compat.__version__,
+        "versions": _versions_dict(reg),
+        "matrix": matrix.path if matrix else None,
+        "matrix_error": matrix_error,
+        "import_errors": errors,
+        "tested": (
+            [r.__dict__ for r in matrix.tested_status(versions["speculators"].version, versions["vllm"].version)]
+            if matrix
+            else []
+        ),
+        "patches": [dict(r, gate=gates.get(r["id"], "")) for r in records],
+    }
+    if args.matrix and matrix is not None:
+        out["tested_table"] = [r.__dict__ for r in matrix.tested]
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0 if matrix_error is None else 3
+    print(f"speculators-compat {speculators_compat.__version__}")
+    for inst in versions.values():
+        print(f"  {inst}")
+    print(f"  matrix: {out['matrix'] or matrix_error}")
+    for e in errors:
+        print(f"  ! {e}")
+    if not versions["speculators"].present or not versions["vllm"].present:
+        print("  (speculators or vLLM absent: patches stay pending until their targets are imported)")
+    print()
+    width = max([len(r["id"]) for r in records] + [10])
+    print(f"{'patch':<{width}}  {'family':<18} {'status':<9} reason")
+    for r in out["patches"]:
+        reason = r["reason"] if r["status"] != "pending" else f"pending ({r['gate']})"
+        print(f"{r['id']:<{width}}  {r['family']:<18} {r['status']:<9} {reason}")
+    if args.matrix and matrix is not None:
+        print("\ntested combinations (generated from real runs):")
+        for row in matrix.tested:
+            print(f"  speculators {row.speculators:<8} vllm {row.vllm:<8} {row.platform:<5} {row.status:<9} {row.evidence}")
+    return 0 if matrix_error is None else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    import speculators_compat
+
+    parser = argparse.ArgumentParser(prog="speculators-compat", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"speculators-compat {speculators_compat.__version__}")
+    sub = parser.add_subparsers(dest="command")
+    rep = sub.add_parser("report", help="versions found and every patch's status")
+    rep.add_argument("--json", action="store_true", help="machine-readable output")
+    rep.add_argument("--matrix", action="store_true", help="also show the tested table")
+    rep.add_argument(
+        "--import-targets",
+        action="store_true",
+        help="import speculators' generator and worker modules first (applies their patches; imports vLLM)",
+    )
+    demo = sub.add_parser("demo", help="tiny model through speculators' generator, compared with HF")
+    demo.add_argument("--arch", default="llama")
+    demo.add_argument("--layers", default=None, help="comma-separated layer ids (default: speculators' choice)")
+    demo.add_argument("--json", default=None, help="write the demo's measurements to this file")
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        return cmd_report(args)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The patch families. Each module opens with what vLLM changed, since when, and how its
+patches answer; version ranges live in compat_matrix.yaml (by patch id), not here."""
+
+from __future__ import annotations
+
+from . import engine_config, execution, kv_cache, platform, scheduler_request, speculators_import, worker_capture
+
+FAMILY_MODULES = (
+    speculators_import,
+    engine_config,
+    platform,
+    kv_cache,
+    scheduler_request,
+    execution,
+    worker_capture,
+)
+
+
+def all_patches():
+    """Fresh Patch objects of every family (a registry owns what it registers)."""
+    out = []
+    for module in FAMILY_MODULES:
+        out.extend(module.PATCHES)
+    return out

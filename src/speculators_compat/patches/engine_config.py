@@ -1,0 +1,84 @@
+"""Engine configuration built by hand in ``VllmHiddenStatesGenerator._create_vllm_config``.
+
+What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
+- ``SchedulerConfig`` gained a required ``is_encoder_decoder`` (0.11.1+; speculators 0.3.0 does
+  not pass it, 0.4.x does, which 0.11.0 rejects) and turns ``async_scheduling`` on by default
+  for hand-built configs (0.14+). The generator drives one step at a time, so the adapter
+  passes ``is_encoder_decoder=False`` where the field exists, drops it where it does not, and
+  sets ``async_scheduling=False`` where that field exists.
+- ``CacheConfig``: prefix caching became the default (0.12+). speculators 0.3.0 neither gives
+  its Requests a block hasher nor turns caching off, so vLLM's block pool fails its
+  ``len(request.block_hashes) >= num_full_blocks`` assertion (with an empty message) on the
+  first prompt longer than a block. The adapter turns prefix caching off, as 0.4.x does: each
+  prompt is then computed in full, so repeated calls cannot be served from another call's
+  cache. Where vLLM resolves the block size itself (a ``None`` default: the platform and its
+  attention backend choose; CPU attention wants multiples of 32 from 0.32), the adapter drops
+  speculators' hard-coded 16 and lets vLLM choose, like vLLM's own engine.
+Both adapters wrap the names in the generator's module namespace: vLLM itself is untouched.
+"""
+
+from __future__ import annotations
+
+from ..registry import wrapper_patch
+from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
+
+
+def _scheduler_config_args(wrapped, instance, args, kwargs):
+    params = parameters(wrapped) or {}
+    if "is_encoder_decoder" in params:
+        kwargs.setdefault("is_encoder_decoder", False)
+    else:
+        kwargs.pop("is_encoder_decoder", None)
+    if "async_scheduling" in params:
+        kwargs.setdefault("async_scheduling", False)
+    return wrapped(*args, **kwargs)
+
+
+def _probe_scheduler_config(current):
+    real = import_attr("vllm.config", "SchedulerConfig")
+    return require_params(real, ("max_num_seqs", "max_model_len", "max_num_batched_tokens"), "vllm.config.SchedulerConfig")
+
+
+def block_size_is_resolved_by_vllm(cache_config_cls) -> bool:
+    """True where CacheConfig's block_size defaults to None (vLLM picks it per platform/backend)."""
+    fields = getattr(cache_config_cls, "__dataclass_fields__", {}) or {}
+    f = fields.get("block_size")
+    if f is None:
+        return False
+    default = f.default
+    # pydantic dataclasses keep a FieldInfo as the default
+    default = getattr(default, "default", default)
+    return default is None
+
+
+def _cache_config_args(wrapped, instance, args, kwargs):
+    if accepts(wrapped, "enable_prefix_caching"):
+        kwargs["enable_prefix_caching"] = False
+    if block_size_is_resolved_by_vllm(wrapped):
+        kwargs.pop("block_size", None)
+    return wrapped(*args, **kwargs)
+
+
+def _probe_cache_config(current):
+    real = import_attr("vllm.config", "CacheConfig")
+    return require_params(real, ("block_size", "gpu_memory_utilization", "enable_prefix_caching"), "vllm.config.CacheConfig")
+
+
+PATCHES = [
+    wrapper_patch(
+        "scheduler-config-args",
+        "config",
+        GENERATOR,
+        "SchedulerConfig",
+        _scheduler_config_args,
+        _probe_scheduler_config,
+    ),
+    wrapper_patch(
+        "cache-config-args",
+        "config",
+        GENERATOR,
+        "CacheConfig",
+        _cache_config_args,
+        _probe_cache_config,
+    ),
+]

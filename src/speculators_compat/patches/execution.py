@@ -1,0 +1,276 @@
+"""The generator's step loop: ``VllmHiddenStatesGenerator.generate``, replaced as a whole.
+
+Why a whole method (not call adapters): every part of the loop moved, and both speculators
+releases have bugs there that give wrong results without an error.
+- vLLM 0.11.1+ split a step into ``execute_model`` (returns None) and ``sample_tokens``; calling
+  ``execute_model`` twice raises "sample_tokens() must be called after execute_model() returns
+  None" (speculators 0.3.0 never calls ``sample_tokens``; 0.4.x calls it where 0.11.0 lacks it).
+- ``collective_rpc(..., unique_reply_rank=0)`` returns the single reply, not a list (0.3.0
+  indexes it).
+- Model Runner V2 (0.22+) frees a request's slot only when a SchedulerOutput carrying its id in
+  ``finished_req_ids`` reaches the worker; the generators drop that output ("No free indices"
+  after a few calls on the GPU).
+- speculators 0.3.0 aborts every request after its first scheduled chunk: a batch larger than
+  ``max_num_batched_tokens`` comes back truncated and misaligned (rel. error ~1.4 vs HF).
+- speculators 0.4.x returns results in ``sorted()`` order of string ids: ``req_0_10`` sorts
+  before ``req_0_2``, so batches of more than ten come back out of input order.
+- Captured states cross the process boundary pickled in one RPC (most of the wall time on a GPU).
+
+The replacement drives the engine the way vLLM's own ``EngineCore.step`` does (schedule →
+execute_model → sample_tokens where needed → ``update_from_output``; requests finish by their
+``max_tokens=1`` and their ids reach the workers), keeps speculators' contract — request ids
+``req_{call}_{i}``, truncation to ``max_model_len - 1``, the logger, the result dicts
+``{"input_ids", "hidden_states", "loss_mask"}`` in input order — and receives hidden states
+in shared memory written in place by the worker (``worker_capture``). Every sequence gets
+exactly its (truncated) length for every layer, or the call raises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import uuid
+
+from ..registry import wrapper_patch
+from ._signatures import GENERATOR, import_attr, parameters
+from .worker_capture import RPC_NAME
+
+__all__ = ["ExtractionError", "generate"]
+
+
+class ExtractionError(RuntimeError):
+    """A failure during extraction, with its type, message, origin and the shim's context."""
+
+
+def _context() -> str:
+    try:
+        import speculators_compat
+
+        return speculators_compat.context_line()
+    except Exception:  # noqa: BLE001
+        return "speculators-compat context unavailable"
+
+
+def describe_exception(exc: BaseException) -> str:
+    message = str(exc)
+    if not message:
+        import traceback
+
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            last = frames[-1]
+            message = f"(no message) raised at {last.filename}:{last.lineno} in {last.name}: {last.line}"
+        else:
+            message = "(no message)"
+    return f"{type(exc).__name__}: {message}"
+
+
+def _raise(step: str, exc: BaseException):
+    raise ExtractionError(f"{step} failed: {describe_exception(exc)}\n[{_context()}]") from exc
+
+
+def _rpc(executor, op, *args):
+    try:
+        replies = executor.collective_rpc(RPC_NAME, args=(op, *args))
+    except Exception as exc:  # noqa: BLE001
+        _raise(f"worker RPC {op}", exc)
+    for rank, reply in enumerate(replies):
+        if not reply.get("ok"):
+            raise ExtractionError(
+                f"worker RPC {op} failed on rank {rank} (pid {reply.get('pid')}): "
+                f"{reply.get('type')}: {reply.get('message') or '(no message)'}\n"
+                f"worker traceback:\n{reply.get('traceback')}\n[{_context()}]"
+            )
+    return [r["value"] for r in replies]
+
+
+def shm_dir() -> str:
+    configured = os.environ.get("SPECULATORS_COMPAT_SHM_DIR")
+    if configured:
+        return configured
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _allocate(path: str, nbytes: int) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise ExtractionError(
+                    f"cannot reserve {nbytes} bytes for captured states in {os.path.dirname(path)} "
+                    f"({exc.strerror}); free space there or set SPECULATORS_COMPAT_SHM_DIR"
+                ) from None
+    finally:
+        os.close(fd)
+
+
+def _tokens_list(token_ids, torch):
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.tolist()
+    if not token_ids:
+        raise ValueError("token_ids cannot be empty")
+    return [ids.tolist() if isinstance(ids, torch.Tensor) else list(ids) for ids in token_ids]
+
+
+def generate(self, token_ids):
+    """Extract hidden states from the prefill of each sequence (speculators' contract)."""
+    import torch
+
+    module = sys.modules[GENERATOR]
+    log = module.log
+    input_ids_list = _tokens_list(token_ids, torch)
+    log.debug(f"Generating hidden states for {len(input_ids_list)} sequences")
+    max_len = self.vllm_config.model_config.max_model_len - module.MAX_DECODE_TOKENS
+    for i, ids in enumerate(input_ids_list):
+        if len(ids) == 0:
+            raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
+    original_lengths = [len(ids) for ids in input_ids_list]
+    input_ids_list = [ids[:max_len] for ids in input_ids_list]
+    truncated = [i for i, n in enumerate(original_lengths) if n > max_len]
+    if truncated:
+        log.warning(f"Truncated {len(truncated)} sequence(s) to max_model_len - 1 = {max_len} tokens: {truncated[:10]}")
+
+    layer_ids = sorted(set(self.layer_ids))
+    model_config = self.vllm_config.model_config
+    hidden = model_config.get_hidden_size()
+    dtype = model_config.dtype
+    dtype_name = str(dtype).replace("torch.", "")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    call = self._request_counter
+    req_ids = [f"req_{call}_{i}" for i in range(len(input_ids_list))]
+    lengths = {rid: len(ids) for rid, ids in zip(req_ids, input_ids_list)}
+
+    # One shared-memory file per sequence: [layers, tokens, hidden], written in place by the
+    # worker, mapped here, unlinked as soon as both sides hold their mapping.
+    base = os.path.join(shm_dir(), f"speculators_compat_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+    files = {rid: (f"{base}_{k}", lengths[rid]) for k, rid in enumerate(req_ids)}
+    buffers = {}
+    try:
+        for rid, (path, n) in files.items():
+            _allocate(path, len(layer_ids) * n * hidden * itemsize)
+            buffers[rid] = torch.from_file(path, shared=True, size=len(layer_ids) * n * hidden, dtype=dtype).view(
+                len(layer_ids), n, hidden
+            )
+        pin = os.environ.get("SPECULATORS_COMPAT_PIN", "1") != "0"
+        _rpc(self.executor, "begin", files, len(layer_ids), hidden, dtype_name, pin)
+    finally:
+        for path, _ in files.values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    Request = module.Request
+    SamplingParams = module.SamplingParams
+    block_hasher = getattr(self, "block_hasher", None)
+    for rid, ids in zip(req_ids, input_ids_list):
+        kwargs = dict(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling_params=SamplingParams(max_tokens=module.MAX_DECODE_TOKENS, temperature=module.SAMPLING_TEMPERATURE),
+            pooling_params=None,
+            eos_token_id=self.tokenizer.eos_token_id,
+            arrival_time=module.INITIAL_ARRIVAL_TIME,
+        )
+        if block_hasher is not None:
+            kwargs["block_hasher"] = block_hasher
+        self.scheduler.add_request(Request(**kwargs))
+    self._request_counter += 1
+
+    computed = dict.fromkeys(req_ids, 0)
+    executor, scheduler = self.executor, self.scheduler
+    has_sample_tokens = callable(getattr(executor, "sample_tokens", None))
+    iterations = 0
+    started = time.perf_counter()
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        if so.total_num_scheduled_tokens == 0:
+            raise ExtractionError(
+                f"the scheduler scheduled nothing with {scheduler.get_num_unfinished_requests()} request(s) "
+                f"unfinished (KV cache too small for the longest sequence?)\n[{_context()}]"
+            )
+        iterations += 1
+        step = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            if rid not in computed:
+                raise ExtractionError(f"the scheduler scheduled unknown request {rid!r}\n[{_context()}]")
+            step[rid] = (n, computed[rid])
+        _rpc(executor, "step", step)
+        try:
+            output = executor.execute_model(so)
+            if output is None and has_sample_tokens:
+                output = executor.sample_tokens(None)
+            scheduler.update_from_output(so, output)
+        except Exception as exc:  # noqa: BLE001
+            _raise(f"engine step {iterations}", exc)
+        for rid, (n, _) in step.items():
+            computed[rid] += n
+    # Deliver the finished request ids to the workers (V2 runners free slots on them).
+    so = scheduler.schedule()
+    if so.total_num_scheduled_tokens == 0 and getattr(so, "finished_req_ids", None):
+        _rpc(executor, "step", {})
+        try:
+            output = executor.execute_model(so)
+            if output is None and has_sample_tokens:
+                output = executor.sample_tokens(None)
+            scheduler.update_from_output(so, output)
+        except Exception as exc:  # noqa: BLE001
+            _raise("engine cleanup step", exc)
+    _rpc(executor, "finish")
+    log.debug(f"Extraction took {iterations} scheduler iterations in {time.perf_counter() - started:.3f}s")
+
+    short = [(rid, computed[rid], lengths[rid]) for rid in req_ids if computed[rid] != lengths[rid]]
+    if short:
+        raise ExtractionError(
+            f"{len(short)} sequence(s) not fully computed (request, computed, length): {short[:5]}\n[{_context()}]"
+        )
+    results = []
+    for rid, ids in zip(req_ids, input_ids_list):
+        buf = buffers[rid]
+        results.append(
+            {
+                "input_ids": torch.as_tensor(ids, dtype=torch.long),
+                "hidden_states": [buf[k] for k in range(len(layer_ids))],
+                "loss_mask": None,
+            }
+        )
+    return results
+
+
+def _replace_generate(wrapped, instance, args, kwargs):
+    return generate(instance, *args, **kwargs)
+
+
+def _probe_generate(current):
+    params = parameters(current)
+    if params is None or "token_ids" not in params:
+        return f"expected VllmHiddenStatesGenerator.generate(self, token_ids); found {current!r}"
+    module = sys.modules.get(GENERATOR)
+    for name in ("MAX_DECODE_TOKENS", "SAMPLING_TEMPERATURE", "INITIAL_ARRIVAL_TIME", "log", "Request", "SamplingParams"):
+        if not hasattr(module, name):
+            return f"expected the generator module to define {name}; not found"
+    sched = import_attr("vllm.v1.core.sched.scheduler", "Scheduler")
+    for name in ("schedule", "update_from_output", "add_request", "has_unfinished_requests", "get_num_unfinished_requests"):
+        if not callable(getattr(sched, name, None)):
+            return f"expected Scheduler.{name}(); not found"
+    executor = import_attr("vllm.v1.executor.multiproc_executor", "MultiprocExecutor")
+    for name in ("execute_model", "collective_rpc"):
+        if not callable(getattr(executor, name, None)):
+            return f"expected MultiprocExecutor.{name}(); not found"
+    return None
+
+
+PATCHES = [
+    wrapper_patch(
+        "generate-driver",
+        "execution",
+        GENERATOR,
+        "VllmHiddenStatesGenerator.generate",
+        _replace_generate,
+        _probe_generate,
+    )
+]

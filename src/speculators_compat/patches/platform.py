@@ -1,0 +1,114 @@
+"""The KV-cache memory budget: asked of the platform vLLM runs on, not of CUDA.
+
+What changed: nothing in vLLM — speculators asks ``torch.cuda.mem_get_info()`` (0.3.0) or its
+``speculators.utils.util.mem_get_info`` (0.4.x, which picks ``cuda`` on any CUDA build of
+torch, GPU or not) for free memory. On a machine where vLLM runs on the CPU this raises, or
+answers for a device vLLM does not use. The patch answers from vLLM's platform layer:
+
+- CUDA / ROCm / other accelerators: the device's own ``mem_get_info`` (unchanged behaviour);
+- CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB; vLLM's CPU platform's own KV-cache setting, its
+  default where unset) reported as both free and total.
+``SPECULATORS_COMPAT_KV_CACHE_BYTES`` overrides the free figure on any platform (speculators then
+takes its usual ``gpu_memory_utilization * 0.2`` of it): a small KV cache starts far faster on
+a large GPU, and prefill-only extraction needs little.
+
+0.4.x: the name ``mem_get_info`` in the generator's module is wrapped. 0.3.0 calls
+``torch.cuda.mem_get_info`` through the torch module, so the patch wraps the generator's
+``__init__`` and routes that one function for the constructor's duration only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..registry import wrapper_patch
+from ._signatures import GENERATOR
+
+_CPU_DEFAULT_GIB = 4.0  # vLLM's CPU default when VLLM_CPU_KVCACHE_SPACE is unset or 0
+_route_lock = threading.Lock()
+
+
+def platform_mem_get_info() -> tuple[int, int]:
+    """(free, total) bytes for the KV cache, from the platform vLLM runs on."""
+    override = os.environ.get("SPECULATORS_COMPAT_KV_CACHE_BYTES")
+    if override:
+        try:
+            value = int(float(override))
+        except ValueError:
+            raise ValueError(
+                f"SPECULATORS_COMPAT_KV_CACHE_BYTES={override!r}: expected a number of bytes"
+            ) from None
+        return value, value
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import vllm.envs as envs
+
+        gib = float(getattr(envs, "VLLM_CPU_KVCACHE_SPACE", 0) or 0) or _CPU_DEFAULT_GIB
+        space = int(gib * (1 << 30))
+        return space, space
+    import torch
+
+    if current_platform.is_cuda_alike():
+        return torch.cuda.mem_get_info()
+    acc = torch.accelerator.current_accelerator()
+    mod = torch.get_device_module(acc) if acc is not None else None
+    if mod is not None and hasattr(mod, "mem_get_info"):
+        return mod.mem_get_info()
+    raise RuntimeError(
+        f"speculators_compat: cannot read free memory on platform {type(current_platform).__name__} "
+        "(set SPECULATORS_COMPAT_KV_CACHE_BYTES)"
+    )
+
+
+def _mem_get_info(wrapped, instance, args, kwargs):
+    return platform_mem_get_info()
+
+
+def _probe_platform(current):
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # noqa: BLE001
+        return f"expected vllm.platforms.current_platform; import failed: {type(exc).__name__}: {exc}"
+    for name in ("is_cpu", "is_cuda_alike"):
+        if not callable(getattr(current_platform, name, None)):
+            return f"expected current_platform.{name}(); found {type(current_platform).__name__} without it"
+    return None
+
+
+def _init_routing_torch_cuda(wrapped, instance, args, kwargs):
+    import torch
+
+    with _route_lock:
+        original = torch.cuda.mem_get_info
+        torch.cuda.mem_get_info = lambda *a, **k: platform_mem_get_info()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            torch.cuda.mem_get_info = original
+
+
+def _probe_init_030(current):
+    problem = _probe_platform(current)
+    if problem:
+        return problem
+    import inspect
+
+    src = inspect.getsource(getattr(current, "__wrapped__", current))
+    if "torch.cuda.mem_get_info()" not in src:
+        return "expected VllmHiddenStatesGenerator.__init__ to call torch.cuda.mem_get_info(); it does not"
+    return None
+
+
+PATCHES = [
+    wrapper_patch("memory-query", "platform", GENERATOR, "mem_get_info", _mem_get_info, _probe_platform),
+    wrapper_patch(
+        "memory-query-torch-cuda",
+        "platform",
+        GENERATOR,
+        "VllmHiddenStatesGenerator.__init__",
+        _init_routing_torch_cuda,
+        _probe_init_030,
+    ),
+]

@@ -1,0 +1,92 @@
+"""``import speculators`` on transformers 5 (which vLLM requires from ~0.2x).
+
+What changed: transformers 5 annotates ``PretrainedConfig.dtype`` as ``str | torch.dtype | None``
+with ``torch`` imported only under ``TYPE_CHECKING``. speculators' package ``__init__`` ends by
+calling ``reload_and_populate_configs()``, whose pydantic ``model_rebuild`` evaluates that
+annotation in ``transformers.configuration_utils``'s namespace and fails with
+``NameError: name 'torch' is not defined`` — so ``import speculators`` itself fails, in the
+caller and in every vLLM worker, before any vLLM code runs. A hook *after* speculators is
+imported would be too late.
+
+How the patch answers: a post-import hook on ``speculators.config`` (executed by speculators'
+``__init__`` *before* that reload) binds the name ``torch`` in
+``transformers.configuration_utils`` — the module the annotation is evaluated in — to the real
+torch module (already imported by speculators at that point). Nothing else changes; revert
+removes the name again.
+
+Also: speculators 0.4.x imports ``get_hash_fn_by_name`` from ``vllm.utils.hashing``, a module
+that appeared in 0.11.1; on 0.11.0 the function is ``vllm.utils.get_hash_fn_by_name``, so the
+generator's module fails to import. A post-import hook on ``vllm.utils`` registers an alias
+module ``vllm.utils.hashing`` exposing that function (0.11.0 only, probed).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..registry import MISSING, Patch
+
+_TARGET = "transformers.configuration_utils"
+
+
+def _build(current):
+    return sys.modules["torch"] if "torch" in sys.modules else __import__("torch")
+
+
+def _probe(current):
+    if current is not MISSING:
+        return f"expected {_TARGET} without a module-level name 'torch'; found {current!r}"
+    module = sys.modules.get(_TARGET)
+    if module is None:
+        return f"expected {_TARGET} to be imported by speculators.config; it is not"
+    config_cls = getattr(module, "PretrainedConfig", None)
+    annotations = {}
+    for klass in getattr(config_cls, "__mro__", ()):
+        annotations.update(getattr(klass, "__annotations__", {}) or {})
+    if not any("torch" in str(a) for a in annotations.values()):
+        return f"expected PretrainedConfig annotations to reference torch; found none ({_TARGET})"
+    return None
+
+
+def _build_hashing_module(current):
+    """A ``vllm.utils.hashing`` module exposing 0.11.0's ``vllm.utils.get_hash_fn_by_name``."""
+    import types
+
+    utils = sys.modules["vllm.utils"]
+    module = types.ModuleType("vllm.utils.hashing", "speculators_compat alias of vllm.utils hashing helpers")
+    module.get_hash_fn_by_name = utils.get_hash_fn_by_name
+    sys.modules["vllm.utils.hashing"] = module
+    return module
+
+
+def _probe_hashing(current):
+    if current is not MISSING or "vllm.utils.hashing" in sys.modules:
+        return "expected no vllm.utils.hashing module (it exists from vLLM 0.11.1); found one"
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.utils.hashing") is not None:
+        return "expected no vllm.utils.hashing module (it exists from vLLM 0.11.1); found one on disk"
+    if not callable(getattr(sys.modules.get("vllm.utils"), "get_hash_fn_by_name", None)):
+        return "expected vllm.utils.get_hash_fn_by_name (vLLM 0.11.0); not found"
+    return None
+
+
+PATCHES = [
+    Patch(
+        id="hashing-module-alias",
+        family="speculators-import",
+        hook_module="vllm.utils",
+        attribute="hashing",
+        build=_build_hashing_module,
+        probe=_probe_hashing,
+    ),
+    Patch(
+        id="speculators-import-torch-annotation",
+        family="speculators-import",
+        hook_module="speculators.config",
+        owner_module=_TARGET,
+        attribute="torch",
+        build=_build,
+        probe=_probe,
+    )
+]

@@ -1,0 +1,394 @@
+"""Patch records, their two gates (matrix + probe), apply/revert, ownership and status.
+
+Flow: ``activate()`` registers one post-import hook per target module (wrapt); nothing heavy is
+imported. When a target module is imported (or at once, if it already is), each of its
+patches is gated by compat_matrix.yaml (versions), then its probe inspects the real objects;
+only if both pass is the attribute replaced. Every outcome is a status record.
+
+Rules:
+- one owner per attribute: registering a second patch on the same (module, attribute) raises
+  ``PatchConflict`` at registration;
+- applying twice is a no-op; ``revert`` puts back the very object that was there (``is``);
+- an exception inside a post-import hook never breaks the target's import: it is recorded,
+  warned once, and raised only in strict mode or when the user selected that patch by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("speculators_compat")
+
+__all__ = [
+    "MISSING",
+    "Patch",
+    "PatchConflict",
+    "PatchError",
+    "PatchStatus",
+    "DriftError",
+    "Registry",
+    "wrapper_patch",
+]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING: Any = _Missing()
+
+
+class PatchConflict(ValueError):
+    """Two patches claim one attribute."""
+
+
+class PatchError(RuntimeError):
+    """A patch could not be applied and the user asked for it to be fatal."""
+
+
+ProbeFn = Callable[[Any], "str | None"]
+BuildFn = Callable[[Any], Any]
+
+
+@dataclass
+class Patch:
+    """One patch on one attribute.
+
+    ``hook_module``: the module whose import triggers the patch. ``owner``: (module, dotted
+    attribute) that is replaced; defaults to an attribute of ``hook_module``. ``probe(current)``
+    inspects the real objects and returns None when they look as the patch expects, else
+    "expected ...; found ...". ``build(current)`` returns the replacement (``current`` is
+    ``MISSING`` for an attribute the patch adds).
+    """
+
+    id: str
+    family: str
+    hook_module: str
+    attribute: str
+    build: BuildFn
+    probe: ProbeFn
+    owner_module: str | None = None
+    doc: str = ""
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        return (self.owner_module or self.hook_module, self.attribute)
+
+    @property
+    def target(self) -> str:
+        module, attribute = self.owner
+        return f"{module}:{attribute}"
+
+
+def wrapper_patch(
+    id: str,
+    family: str,
+    module: str,
+    attribute: str,
+    wrapper: Callable,
+    probe: ProbeFn,
+    doc: str = "",
+) -> Patch:
+    """A patch that wraps ``module:attribute`` with a wrapt wrapper(wrapped, instance, args, kwargs)."""
+    import wrapt
+
+    def build(original):
+        if original is MISSING:
+            raise AttributeError(f"{module}:{attribute} does not exist")
+        return wrapt.FunctionWrapper(original, wrapper)
+
+    return Patch(id=id, family=family, hook_module=module, attribute=attribute, build=build, probe=probe, doc=doc)
+
+
+@dataclass
+class PatchStatus:
+    id: str
+    family: str
+    target: str
+    status: str  # pending | applied | skipped | failed | reverted | disabled
+    reason: str = ""
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "family": self.family,
+            "target": self.target,
+            "status": self.status,
+            "reason": self.reason,
+            "versions": dict(self.versions),
+        }
+
+
+@dataclass
+class _Applied:
+    parent: Any
+    attribute: str
+    slot: Any  # what was in parent.__dict__ (MISSING if the attribute came from elsewhere)
+    replacement: Any
+
+
+def _live(parent: Any, attribute: str) -> Any:
+    """The object stored under ``attribute`` (class attributes: unbound, as stored)."""
+    try:
+        return vars(parent)[attribute]
+    except (TypeError, KeyError):
+        return getattr(parent, attribute, MISSING)
+
+
+def _resolve_parent(module_name: str, dotted: str) -> tuple[Any, str]:
+    obj = sys.modules[module_name]
+    *path, last = dotted.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    return obj, last
+
+
+class Registry:
+    """Holds the patches, the configuration of one activation, and their statuses."""
+
+    def __init__(self, matrix_loader: Callable[[set[str]], Any], versions_reader: Callable[[], dict]):
+        self._matrix_loader = matrix_loader
+        self._versions_reader = versions_reader
+        self._patches: dict[str, Patch] = {}
+        self._owners: dict[tuple[str, str], str] = {}
+        self._status: dict[str, PatchStatus] = {}
+        self._applied: dict[str, _Applied] = {}
+        self._hooked_modules: set[str] = set()
+        self._warned: set[str] = set()
+        self._lock = threading.RLock()
+        self.active = False
+        self.strict = False
+        self.selected: set[str] | None = None  # ids the user asked for by name
+        self.excluded: set[str] = set()
+        self._matrix = None
+        self._versions: dict | None = None
+        self._combination_checked = False
+
+    # -- registration -------------------------------------------------------------------
+    def register(self, patch: Patch) -> None:
+        with self._lock:
+            if patch.id in self._patches:
+                raise PatchConflict(f"patch id {patch.id!r} is registered twice")
+            owner = patch.owner
+            if owner in self._owners:
+                raise PatchConflict(
+                    f"patch {patch.id!r} targets {patch.target}, already owned by patch {self._owners[owner]!r}"
+                )
+            self._patches[patch.id] = patch
+            self._owners[owner] = patch.id
+            self._status[patch.id] = PatchStatus(patch.id, patch.family, patch.target, "pending", "target not imported yet")
+
+    @property
+    def patches(self) -> dict[str, Patch]:
+        return dict(self._patches)
+
+    # -- configuration ------------------------------------------------------------------
+    @property
+    def matrix(self):
+        if self._matrix is None:
+            self._matrix = self._matrix_loader(set(self._patches))
+        return self._matrix
+
+    @property
+    def versions(self) -> dict:
+        if self._versions is None:
+            self._versions = self._versions_reader()
+        return self._versions
+
+    def version_strings(self) -> dict[str, str | None]:
+        return {name: inst.version for name, inst in self.versions.items()}
+
+    def configure(self, strict: bool, selection: str | None) -> None:
+        """``selection``: "id1,id2" (only these, asked for by name) or "-id1,-id2" (all but these)."""
+        self.strict = strict
+        self.selected, self.excluded = None, set()
+        if not selection or not selection.strip():
+            return
+        items = [s.strip() for s in selection.split(",") if s.strip()]
+        negative = [s[1:] for s in items if s.startswith("-")]
+        positive = [s for s in items if not s.startswith("-")]
+        if negative and positive:
+            raise ValueError(
+                f"SPECULATORS_COMPAT_PATCHES={selection!r}: mix of selected and excluded ids; use one kind"
+            )
+        for pid in negative + positive:
+            if pid not in self._patches:
+                raise ValueError(
+                    f"SPECULATORS_COMPAT_PATCHES names unknown patch id {pid!r} "
+                    f"(known: {', '.join(sorted(self._patches))})"
+                )
+        if positive:
+            self.selected = set(positive)
+        self.excluded = set(negative)
+
+    def _explicit(self, pid: str) -> bool:
+        return self.selected is not None and pid in self.selected
+
+    # -- activation ---------------------------------------------------------------------
+    def activate(self) -> None:
+        import wrapt
+
+        with self._lock:
+            self.active = True
+            for patch in self._patches.values():
+                module = patch.hook_module
+                if module not in self._hooked_modules:
+                    self._hooked_modules.add(module)
+                    wrapt.register_post_import_hook(self._on_import, module)
+                elif module in sys.modules:
+                    # hook already registered by an earlier activation: re-run it now
+                    self._on_import(sys.modules[module])
+
+    def deactivate(self) -> None:
+        with self._lock:
+            self.active = False
+            for pid in reversed(list(self._applied)):
+                self._revert(pid)
+
+    def _on_import(self, module) -> None:
+        """Post-import hook. Must never raise unless strict/explicit (that breaks the import)."""
+        with self._lock:
+            if not self.active:
+                return
+            for patch in self._patches.values():
+                if patch.hook_module == module.__name__:
+                    self._try_apply(patch)
+
+    def _try_apply(self, patch: Patch) -> None:
+        try:
+            self._check_combination()
+            self._apply(patch)
+        except Exception as exc:  # noqa: BLE001 - recorded, warned, raised only when asked
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no message)"
+            self._set(patch, "failed", reason)
+            self._warn_once(patch.id, f"speculators_compat: patch {patch.id} on {patch.target} failed: {reason}")
+            if self.strict or self._explicit(patch.id):
+                raise PatchError(f"patch {patch.id} on {patch.target} failed: {reason}") from exc
+
+    def _check_combination(self) -> None:
+        if self._combination_checked:
+            return
+        self._combination_checked = True
+        v = self.version_strings()
+        spec, vllm = v.get("speculators"), v.get("vllm")
+        if spec is None or vllm is None:
+            return
+        rows = self.matrix.tested_status(spec, vllm)
+        if not rows or all(r.status == "untested" for r in rows):
+            msg = (
+                f"speculators {spec} with vLLM {vllm} is not in the tested table of {self.matrix.path}; "
+                "patches are applied where their probes pass (run `speculators-compat check`)"
+            )
+            logger.warning(msg)
+            if self.strict:
+                raise PatchError(f"strict mode: {msg}")
+        elif any(r.status == "broken" for r in rows):
+            msg = f"speculators {spec} with vLLM {vllm} is marked broken in {self.matrix.path}"
+            logger.warning(msg)
+            if self.strict:
+                raise PatchError(f"strict mode: {msg}")
+
+    def _apply(self, patch: Patch) -> None:
+        pid = patch.id
+        if self.selected is not None and pid not in self.selected:
+            self._set(patch, "skipped", "not selected by SPECULATORS_COMPAT_PATCHES")
+            return
+        if pid in self.excluded:
+            self._set(patch, "skipped", "excluded by SPECULATORS_COMPAT_PATCHES")
+            return
+        versions = self.version_strings()
+        na = self.matrix.not_applicable_reason(versions.get("speculators"))
+        if na:
+            self._set(patch, "skipped", f"not applicable: {na}")
+            return
+        gate = self.matrix.patches[pid].gate(versions)
+        if gate is not None:
+            self._set(patch, "skipped", f"not needed: {gate}")
+            return
+        parent, attribute = _resolve_parent(*patch.owner)
+        current = getattr(parent, attribute, MISSING)
+        done = self._applied.get(pid)
+        if done is not None:
+            if done.parent is parent and _live(parent, attribute) is done.replacement:
+                return  # applied twice: no-op
+            # the module was reloaded (or someone replaced the attribute): forget the old record
+            del self._applied[pid]
+        problem = patch.probe(current)
+        if problem:
+            raise DriftError(f"probe failed: {problem}")
+        slot = vars(parent).get(attribute, MISSING) if hasattr(parent, "__dict__") else MISSING
+        replacement = patch.build(slot if slot is not MISSING else current)
+        setattr(parent, attribute, replacement)
+        self._applied[pid] = _Applied(parent, attribute, slot, replacement)
+        why = self.matrix.patches[pid].why
+        self._set(patch, "applied", why)
+        logger.info("speculators_compat: applied %s on %s (%s)", pid, patch.target, why)
+
+    def _revert(self, pid: str) -> None:
+        done = self._applied.pop(pid, None)
+        if done is None:
+            return
+        if _live(done.parent, done.attribute) is done.replacement:
+            if done.slot is MISSING:
+                delattr(done.parent, done.attribute)
+            else:
+                setattr(done.parent, done.attribute, done.slot)
+        patch = self._patches[pid]
+        self._set(patch, "reverted", "deactivate() restored the original")
+
+    def revert(self, pid: str) -> None:
+        with self._lock:
+            self._revert(pid)
+
+    def _set(self, patch: Patch, status: str, reason: str) -> None:
+        self._status[patch.id] = PatchStatus(
+            patch.id, patch.family, patch.target, status, reason, self.version_strings()
+        )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- reporting ----------------------------------------------------------------------
+    def is_applied(self, pid: str) -> bool:
+        """True while the patch's replacement is the live attribute (false after a reload)."""
+        done = self._applied.get(pid)
+        if done is None:
+            return False
+        module_name, _ = self._patches[pid].owner
+        try:
+            parent, attribute = _resolve_parent(module_name, self._patches[pid].attribute)
+        except (KeyError, AttributeError):
+            return False
+        return parent is done.parent and _live(parent, attribute) is done.replacement
+
+    def statuses(self) -> list[PatchStatus]:
+        out = []
+        for pid, st in self._status.items():
+            if st.status == "applied" and not self.is_applied(pid):
+                st = PatchStatus(st.id, st.family, st.target, "failed", "applied, then lost: the target was replaced (module reloaded?); call activate() again", st.versions)
+            out.append(st)
+        return out
+
+    def applied_ids(self) -> list[str]:
+        return [pid for pid in self._applied if self.is_applied(pid)]
+
+
+class DriftError(RuntimeError):
+    """A probe found the real object different from what the patch expects."""
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
