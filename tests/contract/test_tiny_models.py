@@ -1,0 +1,152 @@
+"""Tiny model factory + HF hook reference (speculators_compat.testing)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.contract
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+from speculators_compat.testing import (  # noqa: E402
+    ARCHITECTURES,
+    TOLERANCE,
+    build_tiny_model,
+    compare,
+    decoder_layers,
+    hf_layer_outputs,
+    load_hf_model,
+    relative_error,
+    vllm_engine_kwargs,
+    vllm_env,
+)
+
+SEQUENCES = [[1] + list(range(10, 90)), [1] + list(range(400, 700, 3)) + list(range(4, 40))]
+
+
+def _digest(directory) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+def test_import_does_not_pull_torch():
+    code = (
+        "import sys, speculators_compat.testing as t; "
+        "assert t.ARCHITECTURES; "
+        "bad = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    env_cmd = [sys.executable, "-c", code]
+    import os
+
+    env = dict(os.environ, SPECULATORS_COMPAT_DISABLE="1")
+    subprocess.run(env_cmd, check=True, env=env)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_build_is_deterministic_and_cached(arch, tmp_path):
+    a = build_tiny_model(arch, tmp_path / "a")
+    b = build_tiny_model(arch, tmp_path / "b")
+    assert a.name == b.name
+    da, db = _digest(a), _digest(b)
+    assert "model.safetensors" in da and "config.json" in da and "tokenizer.json" in da
+    assert da == db
+    # Reuse: a second call returns the same directory without rewriting it.
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_model(arch, tmp_path / "a") == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    # Overrides change the cache key.
+    c = build_tiny_model(arch, tmp_path / "a", overrides={"rms_norm_eps": 1e-5})
+    assert c != a
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_hook_reference_matches_output_hidden_states(arch, model_root):
+    d = build_tiny_model(arch, model_root)
+    model = load_hf_model(d, "float32")
+    cfg = model.config
+    assert cfg.max_position_embeddings >= 4096
+    assert 1000 <= cfg.vocab_size <= 2000
+    n = len(decoder_layers(model))
+    assert 2 <= n <= 4
+    layer_ids = list(range(n))
+    ref = hf_layer_outputs(model, SEQUENCES, layer_ids, "float32")
+    assert len(ref) == len(SEQUENCES)
+    for s, seq in enumerate(SEQUENCES):
+        with torch.no_grad():
+            hs = model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+        assert len(hs) == n + 1
+        for k in range(n):
+            assert ref[s][k].shape == (len(seq), cfg.hidden_size)
+            assert ref[s][k].dtype == torch.float32
+        for k in range(n - 1):
+            assert relative_error(ref[s][k], hs[k + 1][0]) < 1e-6
+        # Last layer: hooks give the residual stream, output_hidden_states the final-normed one.
+        assert relative_error(ref[s][n - 1], hs[n][0]) > 1e-2
+        # The residual stream is not ~0 and every layer changes it.
+        for k in range(n):
+            assert ref[s][k].float().pow(2).mean().sqrt() > 0.05
+            assert relative_error(ref[s][k], hs[k][0]) > 0.1
+    rep = compare(ref, ref, "float32")
+    assert rep.passed and rep.max_error == 0.0
+
+
+def test_tokenizer_round_trip(model_root):
+    tok = transformers.AutoTokenizer.from_pretrained(str(build_tiny_model("llama", model_root)))
+    ids = tok("hello world the quick brown fox")["input_ids"]
+    assert ids[0] == tok.bos_token_id == 1
+    assert tok.eos_token_id == 2
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world the quick brown fox"
+    assert len(tok) == 1024
+
+
+def test_deepseek_routing_knobs(model_root):
+    import json
+
+    d = build_tiny_model("deepseek_v3", model_root)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid"
+    assert cfg["first_k_dense_replace"] == 1 and cfg["n_routed_experts"] % cfg["n_group"] == 0
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        keys = [k for k in f.keys() if k.endswith("e_score_correction_bias")]
+        assert keys
+        assert all(f.get_tensor(k).abs().max() > 0 for k in keys)
+
+
+def test_compare_report():
+    a = torch.ones(5, 8)
+    rep = compare([[a, a]], [[a, a * 1.01]], "bfloat16")
+    assert rep.passed and 0 < rep.max_error < TOLERANCE["bfloat16"]
+    rep = compare([[a, a]], [[a, a * 1.01]], torch.float32)
+    assert not rep.passed and rep.failures() == [(0, 1, pytest.approx(1 / 101, rel=1e-4))]
+    # A stacked [len, n_layers, hidden] capture is split along the layer axis.
+    rep = compare([torch.stack([a, a], 1)], [[a, a]], "float32")
+    assert rep.passed
+    rep = compare([[a[:4]]], [[a]], "float32")
+    assert not rep.passed and rep.problems
+
+
+def test_vllm_knobs_are_data():
+    assert vllm_engine_kwargs("deepseek_v3", "0.16.0", "cpu")["compilation_config"] == {
+        "custom_ops": ["-rotary_embedding"]
+    }
+    assert vllm_env("deepseek_v3", "cpu")["VLLM_MLA_DISABLE"] == "1"
+    assert vllm_env("llama", "cpu")["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_MLA_DISABLE" not in vllm_env("deepseek_v3", "cuda")
