@@ -8,11 +8,12 @@ annotation in ``transformers.configuration_utils``'s namespace and fails with
 caller and in every vLLM worker, before any vLLM code runs. A hook *after* speculators is
 imported would be too late.
 
-How the patch answers: a post-import hook on ``speculators.config`` (executed by speculators'
-``__init__`` *before* that reload) binds the name ``torch`` in
-``transformers.configuration_utils`` — the module the annotation is evaluated in — to the real
-torch module (already imported by speculators at that point). Nothing else changes; revert
-removes the name again.
+How the patch answers: a post-import hook on ``transformers.configuration_utils`` binds the
+name ``torch`` in that module — the namespace pydantic evaluates the annotation in — to the
+real torch module. It must run before speculators defines its config classes (a hook on
+``speculators.config`` is already too late: measured), so it fires when transformers' config
+module is imported, gated on the installed speculators and transformers versions. Nothing else
+changes; revert removes the name again.
 
 Also: speculators 0.4.x imports ``get_hash_fn_by_name`` from ``vllm.utils.hashing``, a module
 that appeared in 0.11.1; on 0.11.0 the function is ``vllm.utils.get_hash_fn_by_name``, so the
@@ -38,7 +39,7 @@ def _probe(current):
         return f"expected {_TARGET} without a module-level name 'torch'; found {current!r}"
     module = sys.modules.get(_TARGET)
     if module is None:
-        return f"expected {_TARGET} to be imported by speculators.config; it is not"
+        return f"expected {_TARGET} to be imported; it is not"
     config_cls = getattr(module, "PretrainedConfig", None)
     annotations = {}
     for klass in getattr(config_cls, "__mro__", ()):
@@ -83,8 +84,7 @@ PATCHES = [
     Patch(
         id="speculators-import-torch-annotation",
         family="speculators-import",
-        hook_module="speculators.config",
-        owner_module=_TARGET,
+        hook_module=_TARGET,
         attribute="torch",
         build=_build,
         probe=_probe,
