@@ -160,9 +160,11 @@ def _check_keys(mapping: dict, allowed: set[str], where: str) -> None:
 
 
 def _version_string(value, where: str) -> str:
-    text = str(value) if isinstance(value, (str, int, float)) else None
-    if text is None:
-        raise MatrixError(f"{where}: expected a version string, found {value!r}")
+    # Only strings: YAML reads an unquoted 0.10 as the number 0.1, which would silently name
+    # another release.
+    if not isinstance(value, str):
+        raise MatrixError(f"{where}: expected a quoted version string such as '0.12.0', found {value!r}")
+    text = value
     try:
         Version(text)
     except InvalidVersion:
