@@ -172,6 +172,7 @@ class Registry:
         self._matrix = None
         self._versions: dict | None = None
         self._combination_checked = False
+        self._combination_problem: str | None = None
 
     # -- registration -------------------------------------------------------------------
     def register(self, patch: Patch) -> None:
@@ -275,27 +276,30 @@ class Registry:
                 raise PatchError(f"patch {patch.id} on {patch.target} failed: {reason}") from exc
 
     def _check_combination(self) -> None:
-        if self._combination_checked:
-            return
-        self._combination_checked = True
+        """Warn once about an untested/broken (speculators, vLLM) pair; in strict mode refuse
+        every patch for it, not only the first one tried."""
+        if not self._combination_checked:
+            self._combination_checked = True
+            self._combination_problem = self._combination_message()
+            if self._combination_problem:
+                logger.warning(self._combination_problem)
+        if self._combination_problem and self.strict:
+            raise PatchError(f"strict mode: {self._combination_problem}")
+
+    def _combination_message(self) -> str | None:
         v = self.version_strings()
         spec, vllm = v.get("speculators"), v.get("vllm")
         if spec is None or vllm is None:
-            return
+            return None
         rows = self.matrix.tested_status(spec, vllm)
         if not rows or all(r.status == "untested" for r in rows):
-            msg = (
+            return (
                 f"speculators {spec} with vLLM {vllm} is not in the tested table of {self.matrix.path}; "
                 "patches are applied where their probes pass (run `speculators-compat check`)"
             )
-            logger.warning(msg)
-            if self.strict:
-                raise PatchError(f"strict mode: {msg}")
-        elif any(r.status == "broken" for r in rows):
-            msg = f"speculators {spec} with vLLM {vllm} is marked broken in {self.matrix.path}"
-            logger.warning(msg)
-            if self.strict:
-                raise PatchError(f"strict mode: {msg}")
+        if any(r.status == "broken" for r in rows):
+            return f"speculators {spec} with vLLM {vllm} is marked broken in {self.matrix.path}"
+        return None
 
     def _apply(self, patch: Patch) -> None:
         pid = patch.id
