@@ -1,0 +1,633 @@
+"""registry.py with fake target modules: real imports, real wrapt post-import hooks."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import warnings
+
+import pytest
+import wrapt
+from _helpers import installed, make_registry
+
+from speculators_compat.registry import MISSING, Patch, PatchConflict, PatchError, wrapper_patch
+
+pytestmark = pytest.mark.unit
+
+SOURCE = """
+def f(x):
+    return ("orig", x)
+
+class C:
+    def m(self):
+        return "orig-m"
+"""
+
+
+def _tag(wrapped, instance, args, kwargs):
+    return ("patched", wrapped(*args, **kwargs))
+
+
+def counted_patch(pid: str, module: str, attribute: str = "f", *, probe=None, owner_module=None):
+    """A Patch whose build wraps the current object and counts its calls."""
+    builds = []
+
+    def build(current):
+        builds.append(current)
+        if current is MISSING:
+            return lambda *a: ("added", a)
+        return wrapt.FunctionWrapper(current, _tag)
+
+    p = Patch(
+        id=pid,
+        family="test",
+        hook_module=module,
+        attribute=attribute,
+        build=build,
+        probe=probe or (lambda current: None),
+        owner_module=owner_module,
+    )
+    return p, builds
+
+
+def status(reg, pid):
+    return next(s for s in reg.statuses() if s.id == pid)
+
+
+def _recording():
+    cm = warnings.catch_warnings(record=True)
+    rec = cm.__enter__()
+    warnings.simplefilter("always")
+    return cm, rec
+
+
+# -- apply: deferred and immediate -------------------------------------------------------
+
+
+def test_deferred_apply_when_target_imported_later(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+    assert name not in sys.modules
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("pending", "target not imported yet")
+    assert st.target == f"{name}:f"
+
+    mod = importlib.import_module(name)
+
+    assert mod.f(1) == ("patched", ("orig", 1))
+    assert len(builds) == 1
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("applied", "why p1")
+    assert st.versions == {"speculators": "0.4.1", "vllm": "0.12.0", "transformers": None, "torch": None}
+    assert reg.is_applied("p1")
+    assert reg.applied_ids() == ["p1"]
+
+
+def test_immediate_apply_when_target_already_imported(fake_modules):
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    original = mod.f
+    p, _ = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+    assert mod.f is not original
+    assert mod.f.__wrapped__ is original
+    assert status(reg, "p1").status == "applied"
+
+
+def test_apply_twice_is_a_noop(fake_modules):
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    original = mod.f
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+    replacement = mod.f
+    reg.activate()
+    reg.activate()
+    assert mod.f is replacement
+    assert mod.f.__wrapped__ is original  # not wrapped twice
+    assert len(builds) == 1
+    assert mod.f(2) == ("patched", ("orig", 2))
+
+
+def test_two_patches_on_one_module_both_apply(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p1, b1 = counted_patch("p1", name, "f")
+    p2, b2 = counted_patch("p2", name, "C.m")
+    reg = make_registry([p1, p2])
+    reg.activate()
+    mod = importlib.import_module(name)
+    assert mod.f(0)[0] == "patched"
+    assert mod.C().m() == ("patched", "orig-m")
+    assert (len(b1), len(b2)) == (1, 1)
+    assert reg.applied_ids() == ["p1", "p2"]
+
+
+def test_inactive_registry_does_not_apply_on_import(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+    reg.deactivate()
+    mod = importlib.import_module(name)
+    assert mod.f(1) == ("orig", 1)
+    assert builds == []
+    assert status(reg, "p1").status == "pending"
+    reg.activate()  # the hook has fired already: activation re-runs it on the imported module
+    assert mod.f(1) == ("patched", ("orig", 1))
+
+
+# -- revert ------------------------------------------------------------------------------
+
+
+def test_deactivate_restores_the_original(fake_modules):
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    original_f, original_m = mod.f, vars(mod.C)["m"]
+    p1, _ = counted_patch("p1", name, "f")
+    p2, _ = counted_patch("p2", name, "C.m")
+    reg = make_registry([p1, p2])
+    reg.activate()
+    assert mod.f is not original_f and vars(mod.C)["m"] is not original_m
+    reg.deactivate()
+    assert mod.f is original_f
+    assert vars(mod.C)["m"] is original_m
+    for pid in ("p1", "p2"):
+        st = status(reg, pid)
+        assert (st.status, st.reason) == ("reverted", "deactivate() restored the original")
+    assert reg.applied_ids() == []
+
+
+def test_revert_of_an_added_attribute_removes_it(fake_modules):
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    p, builds = counted_patch("p1", name, "added")
+    reg = make_registry([p])
+    reg.activate()
+    assert builds == [MISSING]
+    assert mod.added(1) == ("added", (1,))
+    reg.deactivate()
+    assert not hasattr(mod, "added")
+
+
+def test_revert_then_reactivate_reapplies(fake_modules):
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    original = mod.f
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+    reg.revert("p1")
+    assert mod.f is original
+    assert status(reg, "p1").status == "reverted"
+    reg.activate()
+    assert mod.f is not original and mod.f.__wrapped__ is original
+    assert status(reg, "p1").status == "applied"
+    assert len(builds) == 2
+    reg.deactivate()
+    assert mod.f is original
+    reg.activate()
+    assert mod.f.__wrapped__ is original
+    assert len(builds) == 3
+
+
+def test_revert_leaves_a_foreign_replacement_alone(fake_modules):
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    p, _ = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+
+    def someone_elses(x):
+        return "theirs"
+
+    mod.f = someone_elses
+    reg.deactivate()
+    assert mod.f is someone_elses
+
+
+# -- ownership ---------------------------------------------------------------------------
+
+
+def test_two_patches_on_one_attribute_conflict_at_registration():
+    p1, _ = counted_patch("first", "some_module")
+    p2, _ = counted_patch("second", "some_module")
+    reg = make_registry([p1])
+    with pytest.raises(PatchConflict) as info:
+        reg.register(p2)
+    assert str(info.value) == "patch 'second' targets some_module:f, already owned by patch 'first'"
+    assert set(reg.patches) == {"first"}
+
+
+def test_conflict_through_owner_module():
+    p1, _ = counted_patch("first", "mod_a", "f")
+    p2, _ = counted_patch("second", "mod_b", "f", owner_module="mod_a")
+    reg = make_registry([p1])
+    with pytest.raises(PatchConflict, match="'second' targets mod_a:f, already owned by patch 'first'"):
+        reg.register(p2)
+
+
+def test_same_id_twice_conflicts():
+    p1, _ = counted_patch("same", "mod_a", "f")
+    p2, _ = counted_patch("same", "mod_a", "g")
+    reg = make_registry([p1])
+    with pytest.raises(PatchConflict, match="patch id 'same' is registered twice"):
+        reg.register(p2)
+
+
+# -- failures ----------------------------------------------------------------------------
+
+
+def _drift(current):
+    return "expected f(x, y); found f(x)"
+
+
+def test_probe_failure_default_mode(fake_modules, caplog):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name, probe=_drift)
+    reg = make_registry([p])
+    reg.activate()
+    cm, rec = _recording()
+    try:
+        mod = importlib.import_module(name)  # the import itself succeeds
+        reg.activate()  # re-runs the hook on the imported module: fails again, warns no more
+    finally:
+        cm.__exit__(None, None, None)
+    assert mod.f(1) == ("orig", 1)
+    assert builds == []
+    st = status(reg, "p1")
+    assert st.status == "failed"
+    assert st.reason == "DriftError: probe failed: expected f(x, y); found f(x)"
+    runtime = [w for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(runtime) == 1
+    assert str(runtime[0].message) == (
+        f"speculators_compat: patch p1 on {name}:f failed: DriftError: probe failed: expected f(x, y); found f(x)"
+    )
+    logged = [r for r in caplog.records if r.levelno == logging.WARNING and "patch p1" in r.getMessage()]
+    assert len(logged) == 1
+
+
+def test_probe_failure_strict_raises_on_import(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name, probe=_drift)
+    reg = make_registry([p])
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError) as info:
+            importlib.import_module(name)
+    assert str(info.value) == f"patch p1 on {name}:f failed: DriftError: probe failed: expected f(x, y); found f(x)"
+    assert status(reg, "p1").status == "failed"
+
+
+def test_probe_failure_strict_raises_at_activate_when_already_imported(fake_modules):
+    name = fake_modules.write(SOURCE)
+    importlib.import_module(name)
+    p, _ = counted_patch("p1", name, probe=_drift)
+    reg = make_registry([p])
+    reg.configure(strict=True, selection=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError, match="probe failed: expected f\\(x, y\\); found f\\(x\\)"):
+            reg.activate()
+
+
+def test_patch_selected_by_name_raises_on_failure(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p1, _ = counted_patch("p1", name, "f", probe=_drift)
+    p2, b2 = counted_patch("p2", name, "C.m")
+    reg = make_registry([p1, p2])
+    reg.configure(strict=False, selection="p1")
+    assert reg.selected == {"p1"}
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError, match=f"^patch p1 on {name}:f failed: DriftError"):
+            importlib.import_module(name)
+
+
+def test_patch_not_selected_is_skipped(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p1, b1 = counted_patch("p1", name, "f")
+    p2, b2 = counted_patch("p2", name, "C.m")
+    reg = make_registry([p1, p2])
+    reg.configure(strict=False, selection="p1")
+    reg.activate()
+    mod = importlib.import_module(name)
+    assert status(reg, "p1").status == "applied"
+    st = status(reg, "p2")
+    assert (st.status, st.reason) == ("skipped", "not selected by SPECULATORS_COMPAT_PATCHES")
+    assert b2 == [] and mod.C().m() == "orig-m"
+
+
+def test_excluded_patch_is_skipped(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p1, b1 = counted_patch("p1", name, "f", probe=_drift)
+    p2, b2 = counted_patch("p2", name, "C.m")
+    reg = make_registry([p1, p2])
+    reg.configure(strict=True, selection="-p1")
+    assert reg.excluded == {"p1"} and reg.selected is None
+    reg.activate()
+    mod = importlib.import_module(name)  # strict, but the failing patch is excluded: no error
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("skipped", "excluded by SPECULATORS_COMPAT_PATCHES")
+    assert b1 == [] and mod.f(1) == ("orig", 1)
+    assert status(reg, "p2").status == "applied"
+
+
+def test_unknown_id_in_selection_is_a_value_error():
+    p1, _ = counted_patch("p1", "m")
+    reg = make_registry([p1])
+    with pytest.raises(ValueError) as info:
+        reg.configure(strict=False, selection="p1,nope")
+    assert str(info.value) == "SPECULATORS_COMPAT_PATCHES names unknown patch id 'nope' (known: p1)"
+    with pytest.raises(ValueError, match="unknown patch id 'ghost'"):
+        reg.configure(strict=False, selection="-ghost")
+
+
+def test_mixed_selection_is_a_value_error():
+    p1, _ = counted_patch("p1", "m", "f")
+    p2, _ = counted_patch("p2", "m", "g")
+    reg = make_registry([p1, p2])
+    with pytest.raises(ValueError, match="mix of selected and excluded ids"):
+        reg.configure(strict=False, selection="p1,-p2")
+
+
+def test_blank_selection_selects_all():
+    p1, _ = counted_patch("p1", "m")
+    reg = make_registry([p1])
+    reg.configure(strict=False, selection=" , ")
+    assert reg.selected is None and reg.excluded == set()
+
+
+def test_build_that_raises_never_breaks_the_import(fake_modules):
+    name = fake_modules.write(SOURCE)
+
+    def build(current):
+        raise ValueError("boom")
+
+    p = Patch(id="p1", family="test", hook_module=name, attribute="f", build=build, probe=lambda c: None)
+    reg = make_registry([p])
+    reg.activate()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(name)
+    assert mod.f(1) == ("orig", 1)
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("failed", "ValueError: boom")
+    assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == 1
+    assert reg.applied_ids() == []
+
+
+def test_probe_that_raises_without_message_is_recorded(fake_modules):
+    name = fake_modules.write(SOURCE)
+
+    def probe(current):
+        raise KeyError
+
+    p = Patch(id="p1", family="test", hook_module=name, attribute="f", build=lambda c: c, probe=probe)
+    reg = make_registry([p])
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module(name)
+    assert status(reg, "p1").reason == "KeyError (no message)"
+
+
+def test_wrapper_patch_on_a_missing_attribute_fails_clearly(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p = wrapper_patch("p1", "test", name, "absent", _tag, lambda c: None)
+    reg = make_registry([p])
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module(name)
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("failed", f"AttributeError: {name}:absent does not exist")
+
+
+# -- reload ------------------------------------------------------------------------------
+
+
+def test_reload_is_reported_as_lost_and_activate_reapplies(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p])
+    reg.activate()
+    mod = importlib.import_module(name)
+    first = mod.f
+    assert status(reg, "p1").status == "applied"
+
+    importlib.reload(mod)
+
+    fresh = mod.f
+    assert fresh(1) == ("orig", 1)
+    assert not reg.is_applied("p1")
+    assert reg.applied_ids() == []
+    st = status(reg, "p1")
+    assert st.status == "failed"
+    assert "reloaded" in st.reason
+    assert st.reason.startswith("applied, then lost")
+    assert "activate() again" in st.reason
+
+    reg.activate()
+    assert mod.f is not first
+    assert mod.f.__wrapped__ is fresh
+    assert mod.f(1) == ("patched", ("orig", 1))
+    assert status(reg, "p1").status == "applied"
+    assert len(builds) == 2
+    reg.deactivate()
+    assert mod.f is fresh
+
+
+# -- version gates -----------------------------------------------------------------------
+
+
+def test_out_of_range_patch_is_skipped_not_needed(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p], ranges={"p1": {"vllm": ">=0.17"}})
+    reg.activate()
+    mod = importlib.import_module(name)
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("skipped", "not needed: vllm 0.12.0 outside >=0.17")
+    assert builds == [] and mod.f(1) == ("orig", 1)
+
+
+def test_dev_build_is_gated_as_its_release(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry(
+        [p],
+        ranges={"p1": {"vllm": ">=0.17"}},
+        tested=[{"speculators": "0.4.1", "vllm": "0.17.0", "status": "verified"}],
+        versions=installed(vllm="0.17.0.dev123+gabc"),
+    )
+    reg.activate()
+    importlib.import_module(name)
+    assert status(reg, "p1").status == "applied"
+
+
+def test_ranged_package_not_installed_is_skipped(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name)
+    reg = make_registry([p], ranges={"p1": {"transformers": ">=5"}})
+    reg.activate()
+    importlib.import_module(name)
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("skipped", "not needed: transformers is not installed (range >=5)")
+
+
+def test_not_applicable_for_speculators_05(fake_modules, caplog):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p], versions=installed(speculators="0.5.0"))
+    reg.activate()
+    mod = importlib.import_module(name)
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("skipped", "not applicable: speculators 0.5 removed the generator")
+    assert builds == [] and mod.f(1) == ("orig", 1)
+
+
+# -- the tested table --------------------------------------------------------------------
+
+
+def _table_warnings(caplog):
+    return [
+        r
+        for r in caplog.records
+        if r.name == "speculators_compat" and r.levelno == logging.WARNING
+        and r.getMessage().startswith("speculators ")  # not the per-patch "speculators_compat: patch ..."
+        and "tested table" in r.getMessage()
+    ]
+
+
+def test_untested_combination_warns_once(fake_modules, caplog):
+    a = fake_modules.write(SOURCE)
+    b = fake_modules.write(SOURCE)
+    pa, _ = counted_patch("pa", a)
+    pb, _ = counted_patch("pb", b)
+    reg = make_registry([pa, pb], versions=installed(vllm="0.13.0"))
+    reg.activate()
+    with caplog.at_level(logging.WARNING, logger="speculators_compat"):
+        importlib.import_module(a)
+        importlib.import_module(b)
+        reg.activate()
+    found = _table_warnings(caplog)
+    assert len(found) == 1
+    assert found[0].getMessage() == (
+        "speculators 0.4.1 with vLLM 0.13.0 is not in the tested table of fake_matrix.yaml; "
+        "patches are applied where their probes pass (run `speculators-compat check`)"
+    )
+    assert status(reg, "pa").status == "applied" and status(reg, "pb").status == "applied"
+
+
+def test_untested_row_counts_as_untested(fake_modules, caplog):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name)
+    reg = make_registry([p], tested=[{"speculators": "0.4.1", "vllm": "0.12.0", "status": "untested"}])
+    reg.activate()
+    with caplog.at_level(logging.WARNING, logger="speculators_compat"):
+        importlib.import_module(name)
+    assert len(_table_warnings(caplog)) == 1
+
+
+def test_verified_combination_does_not_warn(fake_modules, caplog):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name)
+    reg = make_registry([p], versions=installed(vllm="0.12.0rc1"))
+    reg.activate()
+    with caplog.at_level(logging.DEBUG, logger="speculators_compat"):
+        importlib.import_module(name)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_untested_combination_raises_in_strict_mode(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p], versions=installed(vllm="0.13.0"))
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError) as info:
+            importlib.import_module(name)
+    assert "strict mode: speculators 0.4.1 with vLLM 0.13.0 is not in the tested table" in str(info.value)
+    assert builds == []
+    assert status(reg, "p1").status == "failed"
+
+
+def test_broken_combination_warns_and_raises_in_strict_mode(fake_modules, caplog):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name)
+    broken = [{"speculators": "0.4.1", "vllm": "0.12.0", "status": "broken"}]
+    reg = make_registry([p], tested=broken)
+    reg.activate()
+    with caplog.at_level(logging.WARNING, logger="speculators_compat"):
+        importlib.import_module(name)
+    msgs = [r.getMessage() for r in caplog.records if "marked broken" in r.getMessage()]
+    assert msgs == ["speculators 0.4.1 with vLLM 0.12.0 is marked broken in fake_matrix.yaml"]
+
+    name2 = fake_modules.write(SOURCE)
+    p2, _ = counted_patch("p2", name2)
+    strict = make_registry([p2], tested=broken)
+    strict.configure(strict=True, selection=None)
+    strict.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError, match="strict mode: .* is marked broken"):
+            importlib.import_module(name2)
+
+
+def test_absent_speculators_or_vllm_skips_the_table_check(fake_modules, caplog):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name)
+    reg = make_registry([p], versions=installed(vllm=None))
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with caplog.at_level(logging.WARNING, logger="speculators_compat"):
+        importlib.import_module(name)
+    assert _table_warnings(caplog) == []
+    assert status(reg, "p1").status == "applied"
+
+
+def test_strict_untested_combination_refuses_every_target(fake_modules, caplog):
+    a = fake_modules.write(SOURCE)
+    b = fake_modules.write(SOURCE)
+    pa, ba = counted_patch("pa", a)
+    pb, bb = counted_patch("pb", b)
+    reg = make_registry([pa, pb], versions=installed(vllm="0.13.0"))
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="speculators_compat"):
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError, match="strict mode: .* not in the tested table"):
+            importlib.import_module(a)
+        with pytest.raises(PatchError, match="strict mode: .* not in the tested table"):
+            importlib.import_module(b)
+    assert (ba, bb) == ([], [])
+    assert len(_table_warnings(caplog)) == 1  # logged once, refused each time
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: wrapt pops a post-import hook before running it, so when a strict "
+    "failure aborts the target's import, importing it again succeeds with no hook (unpatched, silently)",
+)
+def test_retried_import_after_strict_failure_is_not_silently_unpatched(fake_modules):
+    name = fake_modules.write(SOURCE)
+    p, _ = counted_patch("p1", name, probe=_drift)
+    reg = make_registry([p])
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError):
+            importlib.import_module(name)
+        with pytest.raises(PatchError):
+            importlib.import_module(name)
