@@ -3,11 +3,12 @@ patches answer; version ranges live in compat_matrix.yaml (by patch id), not her
 
 from __future__ import annotations
 
-from . import engine_config, execution, kv_cache, platform, scheduler_request, speculators_import, worker_capture
+from . import engine_config, engine_options, execution, kv_cache, platform, scheduler_request, speculators_import, worker_capture
 
 FAMILY_MODULES = (
     speculators_import,
     engine_config,
+    engine_options,
     platform,
     kv_cache,
     scheduler_request,

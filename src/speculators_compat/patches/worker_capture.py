@@ -284,7 +284,19 @@ def compat_rpc(self, op, *args):
         if op == "finish":
             return {"ok": True, "value": state.finish()}
         if op == "describe":
-            return {"ok": True, "value": {"runner": state.runner_kind, "pid": os.getpid(), "layers": state.layer_ids}}
+            import speculators_compat
+
+            return {
+                "ok": True,
+                "value": {
+                    "runner": state.runner_kind,
+                    "runner_class": type(self.model_runner).__qualname__,
+                    "pid": os.getpid(),
+                    "layers": state.layer_ids,
+                    "captures": state.capture,
+                    "patches": speculators_compat.report(),
+                },
+            }
         raise ValueError(f"unknown capture operation {op!r}")
     except BaseException as exc:  # noqa: BLE001 - reported to the driver with its traceback
         return {

@@ -1,0 +1,72 @@
+"""speculators' real generator on the installed real vLLM, against HF transformers.
+
+Each cell runs ``speculators_compat.testing.e2e_runner`` in a fresh process (CPU vLLM spawns
+its workers; a fresh process also keeps the unpatched baseline free of the shim). Which
+architectures: ``SPECULATORS_COMPAT_E2E_ARCHS`` (comma-separated; default ``llama,qwen3``).
+Results are also written to ``SPECULATORS_COMPAT_RESULTS`` (a folder) when set, for
+``scripts/update_tested.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+pytest.importorskip("vllm")
+pytest.importorskip("speculators")
+
+ARCHS = [a for a in os.environ.get("SPECULATORS_COMPAT_E2E_ARCHS", "llama,qwen3").split(",") if a]
+TIMEOUT = int(os.environ.get("SPECULATORS_COMPAT_E2E_TIMEOUT", "1200"))
+
+
+def _run_cell(arch: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{arch}{'-'.join(extra)}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "speculators_compat.testing.e2e_runner", "--arch", arch, "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert out.exists(), f"runner wrote no result (rc {proc.returncode}); stderr tail:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    results_dir = os.environ.get("SPECULATORS_COMPAT_RESULTS")
+    if results_dir:
+        Path(results_dir).mkdir(parents=True, exist_ok=True)
+        v = result["versions"]
+        name = f"spec-{v['speculators']}_vllm-{v['vllm']}_{arch}{'_unpatched' if '--unpatched' in extra else ''}.json"
+        (Path(results_dir) / name).write_text(json.dumps(result, indent=2))
+    return result
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_generator_agrees_with_hf(arch, tmp_path):
+    r = _run_cell(arch, tmp_path)
+    assert "error" not in r, f"{r['error']['type']}: {r['error']['message']}\n{r['error']['traceback']}"
+    for name in ("mixed", "chunked", "truncated"):
+        case = r["cases"][name]
+        assert case["shapes_ok"], f"{name}: lengths in {case['lengths_in']} out {case['lengths_out']}"
+        assert case["passed"], f"{name}: {case['summary']}"
+    # chunked prefill really happened: more tokens than one scheduler step takes
+    assert r["cases"]["chunked"]["tokens"] > 8192
+    # truncation kept max_model_len - 1 tokens of the long sequence
+    assert r["cases"]["truncated"]["lengths_out"][0] == 2047
+    assert r["cases"]["repeat"]["identical"], "repeated generate() on one generator differs"
+    # the worker-side patches reached the spawned worker through the plugin entry point
+    worker_applied = {p["id"] for p in r["worker"]["patches"] if p["status"] == "applied"}
+    assert {"worker-capture-hooks", "worker-capture-rpc"} <= worker_applied
+    driver_applied = {p["id"] for p in r["patches"] if p["status"] == "applied"}
+    assert "generate-driver" in driver_applied
+
+
+def test_unpatched_generator_fails(tmp_path):
+    """The bed bites: without the shim, speculators' generator fails on this vLLM (CPU)."""
+    r = _run_cell(ARCHS[0], tmp_path, "--unpatched")
+    assert "error" in r, "the unpatched generator ran without error: the bed does not reproduce the breakage"
+    assert r["error"]["type"], r["error"]
