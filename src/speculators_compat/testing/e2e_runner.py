@@ -50,7 +50,8 @@ def _platform() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(args) -> dict:
+def run(args, progress=None) -> dict:
+    say = progress or (lambda msg: None)
     if args.unpatched:
         os.environ["SPECULATORS_COMPAT_DISABLE"] = "1"
     from speculators_compat.testing import tiny_models
@@ -72,6 +73,7 @@ def run(args) -> dict:
         "unpatched": bool(args.unpatched),
         "cases": {},
     }
+    say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
     model_dir = tiny_models.build_tiny_model(args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size)
     result["model_dir"] = str(model_dir)
     layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
@@ -80,6 +82,7 @@ def run(args) -> dict:
     try:
         from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
+        say("starting speculators' VllmHiddenStatesGenerator on vLLM (model load + engine start: tens of seconds on CPU)")
         kwargs = {"layer_ids": layer_ids, "max_model_len": args.max_model_len}
         if args.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -94,7 +97,9 @@ def run(args) -> dict:
             "truncated": _sequences([args.max_model_len + 50, 12], rng, vocab),
         }
         outputs = {}
+        say(f"engine ready in {result['init_s']:.1f}s; extracting hidden states")
         for name in ("mixed", "chunked", "truncated"):
+            say(f"  generate: {name} batch ({len(batches[name])} sequences, {sum(len(x) for x in batches[name])} tokens)")
             t = time.perf_counter()
             outputs[name] = generator.generate(batches[name])
             result["cases"][name] = {"seconds": time.perf_counter() - t, "tokens": sum(len(s) for s in batches[name])}
@@ -119,6 +124,7 @@ def run(args) -> dict:
 
     from speculators_compat.testing.reference import compare, hf_layer_outputs
 
+    say("computing the HF transformers reference (forward hooks on the decoder layers)")
     captured_dtype = outputs["mixed"][0]["hidden_states"][0].dtype
     ids = sorted(set(generator.layer_ids))
     result["layer_ids"] = ids

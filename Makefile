@@ -1,0 +1,35 @@
+# The two commands of the README. Both build what they need (uv, the test bed) first.
+#   make demo   tiny model through speculators' real generator on real (CPU) vLLM, vs HF
+#   make test   unit tests, then contract + e2e tests in the test bed's environments
+PY ?= python3
+DEMO_PAIR ?= --speculators 0.4.0.1 --vllm 0.32.0
+# (speculators, vLLM) pairs the test target runs contract + e2e on
+TEST_PAIRS ?= 0.3.0:0.16.0 0.4.0.1:0.32.0
+E2E_ARCHS ?= llama,qwen3
+export UV_CONSTRAINT :=
+export PIP_CONSTRAINT :=
+
+.PHONY: demo test unit bed-tools dev
+
+bed-tools:
+	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
+
+dev: bed-tools
+	@test -x .venv/bin/python || uv venv -q --python "$$(command -v $(PY))" .venv
+	@uv pip install -q --python .venv/bin/python -e . pytest
+
+demo: bed-tools
+	@PYBIN=$$($(PY) scripts/bed.py python $(DEMO_PAIR)) && \
+	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $$PYBIN -m speculators_compat demo
+
+unit: dev
+	.venv/bin/python -m pytest -m unit tests/unit -q
+
+test: unit
+	@set -e; for pair in $(TEST_PAIRS); do \
+	  s=$${pair%%:*}; v=$${pair##*:}; \
+	  echo "== contract + e2e: speculators $$s, vLLM $$v"; \
+	  PYBIN=$$($(PY) scripts/bed.py python --speculators $$s --vllm $$v); \
+	  SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1 \
+	    $$PYBIN -m pytest -m "contract or e2e" tests/contract tests/e2e -q -rs; \
+	done
