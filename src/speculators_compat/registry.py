@@ -240,8 +240,7 @@ class Registry:
 
         with self._lock:
             self.active = True
-            for patch in self._patches.values():
-                module = patch.hook_module
+            for module in dict.fromkeys(p.hook_module for p in self._patches.values()):
                 if module not in self._hooked_modules:
                     self._hooked_modules.add(module)
                     wrapt.register_post_import_hook(self._on_import, module)

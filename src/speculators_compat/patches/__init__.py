@@ -18,7 +18,7 @@ FAMILY_MODULES = (
 
 
 def all_patches():
-    """Fresh Patch objects of every family (a registry owns what it registers)."""
+    """The Patch objects of every family (stateless: a registry keeps all state)."""
     out = []
     for module in FAMILY_MODULES:
         out.extend(module.PATCHES)

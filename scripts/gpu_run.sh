@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything the GPU issue asks for, in one device call (H200, CUDA vLLM 0.24 from the bundle).
+#
+# Here (CPU machine), once:   bash scripts/gpu_prepare.sh        # .gpu/bundle + our wheels
+# Then one device call:       command "bash scripts/gpu_run.sh", carry [".gpu"]
+# Results land in $OUT (copied back); commit them under benchmarks/results/gpu/.
+#
+# Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
+# into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
+# GPU, in parallel; then the throughput benchmark (shim vs native prefill).
+# GPU_STEPS selects: "e2e bench" (default), "mla" (DeepSeek-V3 tiny, needs the MoE kernels).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export VLLM_USE_FLASHINFER_SAMPLER=0
+export SPECULATORS_COMPAT_ATTENTION_BACKEND=${SPECULATORS_COMPAT_ATTENTION_BACKEND:-TRITON_ATTN}
+export SPECULATORS_COMPAT_KV_CACHE_BYTES=${SPECULATORS_COMPAT_KV_CACHE_BYTES:-20000000000}
+export SPECULATORS_COMPAT_MODEL_CACHE=/tmp/models
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+B=.gpu/bundle; SITE=/tmp/site
+exec > >(tee "$OUT/gpu_run.log") 2>&1
+STEPS=${GPU_STEPS:-e2e bench}
+echo "== host"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
+if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
+  (cd $B && sha256sum --quiet -c SHA256SUMS) || { echo "checksum mismatch"; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $B/whl/*.whl || exit 3
+  cat $B/vllm_tree.tar.xz* | xz -d -T0 | tar -x -C "$SITE" || exit 4
+fi
+if [ -f .gpu/moe/_moe_C.xz ] && [ ! -f "$SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
+  xz -d -c .gpu/moe/_moe_C.xz > "$SITE/vllm/_moe_C_stable_libtorch.abi3.so"
+fi
+for v in 0.3.0 0.4.0.1; do
+  [ -d /tmp/spec-$v/speculators ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spec-$v .gpu/spec/speculators-$v-*.whl
+done
+cell() {  # speculators-version arch [extra runner args]
+  local v=$1 a=$2; shift 2
+  PYTHONPATH=/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
+    --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
+  echo "cell $v $a rc=$?"
+}
+t0=$(date +%s)
+PYTHONPATH=$SITE python3 -c 'import vllm, speculators_compat; print("vllm", vllm.__version__)'
+if [[ " $STEPS " == *" e2e "* ]]; then
+  echo "== e2e cells"
+  cell 0.3.0 llama & cell 0.4.0.1 llama & wait
+  cell 0.3.0 qwen3 & cell 0.4.0.1 qwen3 & wait
+  echo "e2e done at +$(( $(date +%s) - t0 ))s"
+fi
+if [[ " $STEPS " == *" mla "* ]]; then
+  echo "== DeepSeek-V3 tiny on the real MLA path"
+  cell 0.3.0 deepseek_v3 & cell 0.4.0.1 deepseek_v3 & wait
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  echo "== throughput: shim vs native prefill"
+  PYTHONPATH=/tmp/spec-0.4.0.1:$SITE timeout 400 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+    --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200.json" \
+    > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+fi
+echo "total $(( $(date +%s) - t0 ))s"
