@@ -62,6 +62,7 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gpu-util", type=float, default=0.4, help="the generator's gpu_memory_utilization (GPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -79,7 +80,8 @@ def main() -> int:
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
     t = time.perf_counter()
-    gen = VllmHiddenStatesGenerator(str(model), layer_ids=capture, max_model_len=args.max_model_len)
+    gen_kw = {"gpu_memory_utilization": args.gpu_util} if platform == "cuda" else {}
+    gen = VllmHiddenStatesGenerator(str(model), layer_ids=capture, max_model_len=args.max_model_len, **gen_kw)
     init_shim = time.perf_counter() - t
     llm = None
     init_native = None

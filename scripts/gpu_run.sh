@@ -34,7 +34,7 @@ done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2; shift 2
   PYTHONPATH=/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
-    --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
+    --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" --gpu-memory-utilization 0.3 "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
 t0=$(date +%s)
@@ -51,7 +51,7 @@ if [[ " $STEPS " == *" mla "* ]]; then
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
-  PYTHONPATH=/tmp/spec-0.4.0.1:$SITE timeout 400 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=/tmp/spec-0.4.0.1:$SITE timeout 400 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader

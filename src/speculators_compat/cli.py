@@ -1,6 +1,7 @@
 """Command line: ``speculators-compat`` / ``python -m speculators_compat``.
 
 - ``report [--json] [--matrix] [--import-targets]``: versions found, every patch's gate and status.
+- ``check [--json] [--junit PATH]``: probes the installed vLLM/speculators (see check.py).
 - ``demo``: the test-bed demo (tiny model, real generator, HF reference) — see demo.py.
 - ``--version``.
 """
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="import speculators' generator and worker modules first (applies their patches; imports vLLM)",
     )
+    chk = sub.add_parser("check", help="probe the installed vLLM/speculators (no model): exit 0 supported, 1 untested, 2 drift, 3 cannot check")
+    chk.add_argument("--json", action="store_true")
+    chk.add_argument("--junit", default=None, metavar="PATH", help="also write a JUnit XML report")
+    chk.add_argument("--verbose", "-v", action="store_true", help="list passing checks too")
     demo = sub.add_parser("demo", help="tiny model through speculators' generator, compared with HF")
     demo.add_argument("--arch", default="llama")
     demo.add_argument("--layers", default=None, help="comma-separated layer ids (default: speculators' choice)")
@@ -111,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "check":
+        from .check import cmd_check
+
+        return cmd_check(args)
     if args.command == "demo":
         from .demo import run_demo
 

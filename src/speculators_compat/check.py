@@ -1,0 +1,282 @@
+"""``speculators-compat check``: will extraction work with the installed vLLM? No model, no GPU.
+
+Imports vLLM and speculators' generator and worker modules (which runs every patch's gates and
+probes against the real objects), then probes every vLLM internal the generator and worker
+extension rely on — whether or not a patch exists for it — so that a new vLLM that moves
+something no patch knows yet is reported as drift, naming the call site.
+
+Exit codes: 0 supported (tested combination, all probes pass) · 1 works but untested (probes
+pass, the pair is not verified in the tested table) · 2 drift (a probe fails) · 3 cannot check
+(not installed, import error).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from xml.sax.saxutils import escape, quoteattr
+
+from .layers import ADAPTERS, adapter_for
+from .patches._signatures import GENERATOR, WORKER, describe, import_attr, require_params
+
+EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
+
+
+@dataclass
+class Finding:
+    kind: str  # call-site | patch | import | versions
+    name: str  # the call site or patch id
+    status: str  # ok | drift | skipped | error
+    detail: str = ""
+
+
+def _attr(module: str, attr: str) -> Callable[[], str | None]:
+    def probe():
+        try:
+            import_attr(module, attr)
+        except (ImportError, AttributeError) as exc:
+            return f"expected {module}.{attr}; not found ({type(exc).__name__}: {exc})"
+        return None
+
+    return probe
+
+
+def _params(module: str, attr: str, names: tuple[str, ...]) -> Callable[[], str | None]:
+    def probe():
+        try:
+            obj = import_attr(module, attr)
+        except (ImportError, AttributeError) as exc:
+            return f"expected {module}.{attr}; not found ({exc})"
+        return require_params(obj, names, f"{module}.{attr}")
+
+    return probe
+
+
+def _methods(module: str, attr: str, names: tuple[str, ...]) -> Callable[[], str | None]:
+    def probe():
+        try:
+            cls = import_attr(module, attr)
+        except (ImportError, AttributeError) as exc:
+            return f"expected {module}.{attr}; not found ({exc})"
+        missing = [n for n in names if not callable(getattr(cls, n, None))]
+        if missing:
+            return f"expected {attr}.{', '.join(missing)}(); not found on {describe(cls)}"
+        return None
+
+    return probe
+
+
+def _method_params(module: str, cls_name: str, method: str, names: tuple[str, ...]) -> Callable[[], str | None]:
+    def probe():
+        try:
+            fn = getattr(import_attr(module, cls_name), method)
+        except (ImportError, AttributeError) as exc:
+            return f"expected {module}.{cls_name}.{method}; not found ({exc})"
+        return require_params(fn, names, f"{cls_name}.{method}")
+
+    return probe
+
+
+def _any_of(*probes: Callable[[], str | None]) -> Callable[[], str | None]:
+    def probe():
+        problems = [p() for p in probes]
+        if all(problems):
+            return " / ".join(problems)
+        return None
+
+    return probe
+
+
+def _source_contains(module: str, attr: str, needle: str, what: str) -> Callable[[], str | None]:
+    def probe():
+        try:
+            obj = import_attr(module, attr)
+            src = inspect.getsource(obj)
+        except (ImportError, AttributeError, OSError, TypeError) as exc:
+            return f"expected {module}.{attr}; not readable ({exc})"
+        if needle not in src:
+            return f"expected {module}.{attr} to {what} ({needle!r}); not found in its source"
+        return None
+
+    return probe
+
+
+def _decoder_layers() -> Callable[[], str | None]:
+    known = {
+        "vllm.model_executor.models.llama": "LlamaDecoderLayer",
+        "vllm.model_executor.models.qwen2": "Qwen2DecoderLayer",
+        "vllm.model_executor.models.qwen3": "Qwen3DecoderLayer",
+        "vllm.model_executor.models.qwen3_moe": "Qwen3MoeDecoderLayer",
+        "vllm.model_executor.models.deepseek_v2": "DeepseekV2DecoderLayer",
+        "vllm.model_executor.models.gpt_oss": "TransformerBlock",
+        "vllm.model_executor.models.gemma3": "Gemma3DecoderLayer",
+    }
+
+    def probe():
+        problems = []
+        for module, name in known.items():
+            assert name in ADAPTERS
+            try:
+                cls = import_attr(module, name)
+            except (ImportError, AttributeError) as exc:
+                problems.append(f"{module}.{name}: not importable ({type(exc).__name__}: {exc})")
+                continue
+            try:
+                adapter_for(cls)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(str(exc))
+        return "; ".join(problems) or None
+
+    return probe
+
+
+# Every vLLM internal speculators' generator (G) and worker extension (W) import or call.
+CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
+    ("G: vllm.config.ModelConfig(model, tokenizer, trust_remote_code, dtype, max_model_len, enforce_eager)",
+     _params("vllm.config", "ModelConfig", ("model", "tokenizer", "trust_remote_code", "dtype", "max_model_len", "enforce_eager"))),
+    ("G: vllm.config.CacheConfig(block_size, gpu_memory_utilization)",
+     _params("vllm.config", "CacheConfig", ("block_size", "gpu_memory_utilization"))),
+    ("G: vllm.config.ParallelConfig(tensor_parallel_size, worker_extension_cls)",
+     _params("vllm.config", "ParallelConfig", ("tensor_parallel_size", "worker_extension_cls"))),
+    ("G: vllm.config.SchedulerConfig(max_num_seqs, max_model_len, max_num_batched_tokens)",
+     _params("vllm.config", "SchedulerConfig", ("max_num_seqs", "max_model_len", "max_num_batched_tokens"))),
+    ("G: vllm.config.VllmConfig(model_config, cache_config, parallel_config, scheduler_config, device_config, load_config)",
+     _params("vllm.config", "VllmConfig", ("model_config", "cache_config", "parallel_config", "scheduler_config", "device_config", "load_config"))),
+    ("G: vllm.config.DeviceConfig", _attr("vllm.config", "DeviceConfig")),
+    ("G: vllm.config.LoadConfig", _attr("vllm.config", "LoadConfig")),
+    ("G: vllm.sampling_params.SamplingParams(max_tokens, temperature)",
+     _params("vllm.sampling_params", "SamplingParams", ("max_tokens", "temperature"))),
+    ("G: kv_cache_utils._get_kv_cache_groups_uniform_spec", _attr("vllm.v1.core.kv_cache_utils", "_get_kv_cache_groups_uniform_spec")),
+    ("G: kv_cache_utils.unify_hybrid_kv_cache_specs", _attr("vllm.v1.core.kv_cache_utils", "unify_hybrid_kv_cache_specs")),
+    ("G: kv_cache_utils.get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, available_memory)",
+     _params("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups", ("vllm_config", "kv_cache_groups", "available_memory"))),
+    ("G(0.4.x): kv_cache_utils.get_request_block_hasher", _attr("vllm.v1.core.kv_cache_utils", "get_request_block_hasher")),
+    ("G(0.4.x): kv_cache_utils.init_none_hash", _attr("vllm.v1.core.kv_cache_utils", "init_none_hash")),
+    ("G: Scheduler(vllm_config, kv_cache_config, structured_output_manager)",
+     _params("vllm.v1.core.sched.scheduler", "Scheduler", ("vllm_config", "kv_cache_config", "structured_output_manager"))),
+    ("G: Scheduler.schedule/add_request/update_from_output/finish_requests/has_unfinished_requests",
+     _methods("vllm.v1.core.sched.scheduler", "Scheduler", ("schedule", "add_request", "update_from_output", "finish_requests", "has_unfinished_requests", "get_num_unfinished_requests"))),
+    ("G: Request(request_id, prompt_token_ids, sampling_params, pooling_params, arrival_time)",
+     _params("vllm.v1.request", "Request", ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time"))),
+    ("G: RequestStatus.FINISHED_ABORTED", lambda: None if hasattr(import_attr("vllm.v1.request", "RequestStatus"), "FINISHED_ABORTED") else "expected RequestStatus.FINISHED_ABORTED; not found"),
+    ("G: StructuredOutputManager(vllm_config)", _params("vllm.v1.structured_output", "StructuredOutputManager", ("vllm_config",))),
+    ("G: MultiprocExecutor(vllm_config)", _params("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", ("vllm_config",))),
+    ("G: MultiprocExecutor.collective_rpc/execute_model/initialize_from_config/shutdown",
+     _methods("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", ("collective_rpc", "execute_model", "initialize_from_config", "shutdown"))),
+    ("G: MultiprocExecutor.collective_rpc(method, args, unique_reply_rank)",
+     _method_params("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "collective_rpc", ("method", "args", "unique_reply_rank"))),
+    ("W: vllm.distributed.get_pp_group", _attr("vllm.distributed", "get_pp_group")),
+    ("W: vllm.distributed.get_tp_group", _attr("vllm.distributed", "get_tp_group")),
+    ("W: vllm.sequence.IntermediateTensors", _attr("vllm.sequence", "IntermediateTensors")),
+    ("W: plugins load before worker_extension_cls is resolved (vllm.general_plugins reaches workers)",
+     _any_of(
+         _source_contains("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "load_general_plugins", "call load_general_plugins"),
+         _source_contains("vllm.worker.worker_base", "WorkerWrapperBase.init_worker", "load_general_plugins", "call load_general_plugins"),
+     )),
+    ("W: decoder-layer adapters for the known architectures", _decoder_layers()),
+]
+
+
+def run_check() -> tuple[int, dict]:
+    import speculators_compat
+    from .matrix import MatrixError
+
+    started = time.perf_counter()
+    findings: list[Finding] = []
+    reg = speculators_compat.get_registry()
+    versions = reg.version_strings()
+    out = {"versions": versions, "findings": findings}
+    if not versions.get("vllm"):
+        findings.append(Finding("import", "vllm", "error", "vLLM is not installed"))
+    if not versions.get("speculators"):
+        findings.append(Finding("import", "speculators", "error", "speculators is not installed"))
+    if findings:
+        return EXIT_CANNOT, out
+    try:
+        matrix = reg.matrix
+    except MatrixError as exc:
+        findings.append(Finding("import", "compat_matrix", "error", str(exc)))
+        return EXIT_CANNOT, out
+    na = matrix.not_applicable_reason(versions["speculators"])
+    if na:
+        findings.append(Finding("versions", "speculators", "error", f"not applicable: {na}"))
+        return EXIT_CANNOT, out
+    for module in ("vllm", GENERATOR, WORKER):
+        try:
+            __import__(module)
+        except Exception as exc:  # noqa: BLE001
+            findings.append(Finding("import", module, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+    if findings:
+        return EXIT_CANNOT, out
+    for name, probe in CALL_SITES:
+        try:
+            problem = probe()
+        except Exception as exc:  # noqa: BLE001
+            problem = f"probe raised {type(exc).__name__}: {exc}"
+        findings.append(Finding("call-site", name, "drift" if problem else "ok", problem or ""))
+    for rec in speculators_compat.report():
+        status = rec["status"]
+        if status == "failed":
+            findings.append(Finding("patch", rec["id"], "drift", f"{rec['target']}: {rec['reason']}"))
+        else:
+            findings.append(Finding("patch", rec["id"], "ok" if status == "applied" else "skipped", rec["reason"]))
+    rows = matrix.tested_status(versions["speculators"], versions["vllm"])
+    verified = any(r.status == "verified" for r in rows)
+    broken = any(r.status == "broken" for r in rows)
+    findings.append(
+        Finding(
+            "versions",
+            "tested-table",
+            "ok" if verified and not broken else "untested",
+            "; ".join(f"{r.platform}: {r.status} ({r.evidence})" for r in rows) or "pair not in the tested table",
+        )
+    )
+    out["seconds"] = time.perf_counter() - started
+    if any(f.status == "drift" for f in findings):
+        return EXIT_DRIFT, out
+    return (EXIT_SUPPORTED if verified and not broken else EXIT_UNTESTED), out
+
+
+def _junit(out: dict, code: int) -> str:
+    cases = []
+    for f in out["findings"]:
+        body = ""
+        if f.status in ("drift", "error"):
+            body = f'<failure message={quoteattr(f.detail.splitlines()[0] if f.detail else f.status)}>{escape(f.detail)}</failure>'
+        elif f.status in ("skipped", "untested"):
+            body = f"<skipped message={quoteattr(f.detail[:200])}/>"
+        cases.append(f"<testcase classname={quoteattr('speculators_compat.check.' + f.kind)} name={quoteattr(f.name)}>{body}</testcase>")
+    failures = sum(f.status in ("drift", "error") for f in out["findings"])
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        f'<testsuite name="speculators-compat check" tests="{len(cases)}" failures="{failures}" '
+        f'errors="0" time="{out.get("seconds", 0):.3f}">\n' + "\n".join(cases) + "\n</testsuite>\n"
+    )
+
+
+EXIT_WORDS = {0: "supported", 1: "works, untested", 2: "DRIFT", 3: "cannot check"}
+
+
+def cmd_check(args) -> int:
+    code, out = run_check()
+    serial = {**out, "findings": [asdict(f) for f in out["findings"]], "exit_code": code, "verdict": EXIT_WORDS[code]}
+    if args.junit:
+        with open(args.junit, "w") as fh:
+            fh.write(_junit(out, code))
+    if args.json:
+        print(json.dumps(serial, indent=2))
+        return code
+    v = out["versions"]
+    print(f"speculators {v.get('speculators')} · vLLM {v.get('vllm')} · transformers {v.get('transformers')} · torch {v.get('torch')}")
+    for f in out["findings"]:
+        if f.status == "ok" and not args.verbose:
+            continue
+        mark = {"ok": "ok", "drift": "DRIFT", "error": "ERROR", "skipped": "skip", "untested": "untested"}[f.status]
+        print(f"  [{mark:<8}] {f.kind:<9} {f.name}" + (f"\n             {f.detail}" if f.detail and f.status != "ok" else ""))
+    ok = sum(f.status == "ok" for f in out["findings"])
+    print(f"{ok} checks ok; verdict: {EXIT_WORDS[code]} (exit {code})")
+    return code
