@@ -15,6 +15,7 @@ from .reference import (
 )
 from .tiny_models import (
     ARCHITECTURES,
+    MOE_ARCHITECTURES,
     build_tiny_model,
     default_cache_root,
     tiny_config_kwargs,
@@ -24,6 +25,7 @@ from .tiny_models import (
 
 __all__ = [
     "ARCHITECTURES",
+    "MOE_ARCHITECTURES",
     "TOLERANCE",
     "CompareReport",
     "build_tiny_model",

@@ -163,12 +163,50 @@ def relative_error(a, b) -> float:
     return num / den
 
 
+def _row_errors(a, b):
+    """Per-token (row) relative errors of two [len, hidden] tensors, float32."""
+    import torch
+
+    a = torch.as_tensor(a).detach().to("cpu", torch.float32).reshape(-1, a.shape[-1])
+    b = torch.as_tensor(b).detach().to("cpu", torch.float32).reshape(-1, b.shape[-1])
+    den = torch.linalg.vector_norm(b, dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.linalg.vector_norm(a - b, dim=-1) / den
+
+
 @dataclass
 class CompareReport:
+    """Errors of a capture against the reference.
+
+    ``errors[s][k]``: relative Frobenius error of sequence s, layer_ids[k].
+    ``outlier_fraction[s][k]``: share of tokens whose own relative error exceeds
+    ``outlier_factor`` x the tolerance; ``inlier_errors[s][k]``: the Frobenius error over the other tokens.
+    With ``max_outlier_fraction == 0`` (default) a comparison passes only if every
+    ``errors`` entry is within tolerance.  MoE models in bf16/fp16 flip near-tied expert
+    choices for a few tokens (measured HF bf16 vs HF fp32 on the tiny MoE models: 2-17%
+    Frobenius error, from a few tokens); ``max_outlier_fraction > 0`` then passes when at
+    most that share of tokens is off and the remaining tokens are within tolerance.
+    """
+
     dtype: str
     tolerance: float
+    max_outlier_fraction: float = 0.0
     errors: list[list[float]] = field(default_factory=list)  # errors[seq][k]
+    outlier_fraction: list[list[float]] = field(default_factory=list)
+    inlier_errors: list[list[float]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # shape mismatches, missing entries
+
+    def _ok(self, s: int, k: int) -> bool:
+        e = self.errors[s][k]
+        if math.isfinite(e) and e <= self.tolerance:
+            return True
+        if self.max_outlier_fraction <= 0:
+            return False
+        frac = self.outlier_fraction[s][k]
+        inl = self.inlier_errors[s][k]
+        return (
+            math.isfinite(frac) and frac <= self.max_outlier_fraction
+            and math.isfinite(inl) and inl <= self.tolerance
+        )
 
     @property
     def max_error(self) -> float:
@@ -179,20 +217,23 @@ class CompareReport:
     def passed(self) -> bool:
         if self.problems:
             return False
-        return all(math.isfinite(e) and e <= self.tolerance for row in self.errors for e in row)
+        return all(self._ok(s, k) for s, row in enumerate(self.errors) for k in range(len(row)))
 
     def failures(self) -> list[tuple[int, int, float]]:
         return [
             (s, k, e)
             for s, row in enumerate(self.errors)
             for k, e in enumerate(row)
-            if not (math.isfinite(e) and e <= self.tolerance)
+            if not self._ok(s, k)
         ]
 
     def as_dict(self) -> dict:
         return {
-            "dtype": self.dtype, "tolerance": self.tolerance, "passed": self.passed,
-            "max_error": self.max_error, "errors": self.errors, "problems": self.problems,
+            "dtype": self.dtype, "tolerance": self.tolerance,
+            "max_outlier_fraction": self.max_outlier_fraction, "passed": self.passed,
+            "max_error": self.max_error, "errors": self.errors,
+            "outlier_fraction": self.outlier_fraction, "inlier_errors": self.inlier_errors,
+            "problems": self.problems,
         }
 
     def summary(self) -> str:
@@ -200,14 +241,25 @@ class CompareReport:
         lines = [f"{status}: max relative error {self.max_error:.3e} (tolerance "
                  f"{self.tolerance:.1e}, {self.dtype})"]
         lines += [f"  {p}" for p in self.problems]
-        lines += [f"  seq {s} layer#{k}: {e:.3e}" for s, k, e in self.failures()]
+        lines += [
+            f"  seq {s} layer#{k}: {e:.3e} (outlier tokens {self.outlier_fraction[s][k]:.1%}, "
+            f"others {self.inlier_errors[s][k]:.3e})"
+            for s, k, e in self.failures()
+        ]
         return "\n".join(lines)
 
     def __bool__(self) -> bool:
         return self.passed
 
 
-def compare(captured, reference, dtype: Any = "float32", tolerance: float | None = None) -> CompareReport:
+def compare(
+    captured,
+    reference,
+    dtype: Any = "float32",
+    tolerance: float | None = None,
+    max_outlier_fraction: float = 0.0,
+    outlier_factor: float = 4.0,
+) -> CompareReport:
     """Compare ``captured[seq][k]`` with ``reference[seq][k]`` (both ``[len, hidden]``).
 
     ``captured[seq]`` may also be a single tensor ``[len, n_layers, hidden]`` or
@@ -217,7 +269,7 @@ def compare(captured, reference, dtype: Any = "float32", tolerance: float | None
 
     name = _dtype_name(dtype)
     tol = TOLERANCE[name] if tolerance is None else float(tolerance)
-    rep = CompareReport(dtype=name, tolerance=tol)
+    rep = CompareReport(dtype=name, tolerance=tol, max_outlier_fraction=float(max_outlier_fraction))
     if len(captured) != len(reference):
         rep.problems.append(f"{len(captured)} captured sequences vs {len(reference)} reference")
     for s, (cap, ref) in enumerate(zip(captured, reference)):
@@ -231,18 +283,35 @@ def compare(captured, reference, dtype: Any = "float32", tolerance: float | None
                 cap_list = list(cap.unbind(0))
             else:
                 rep.problems.append(f"seq {s}: cannot split captured shape {tuple(cap.shape)}")
-                rep.errors.append([float("nan")] * len(ref_list))
+                nan_row = [float("nan")] * len(ref_list)
+                rep.errors.append(nan_row)
+                rep.outlier_fraction.append(list(nan_row))
+                rep.inlier_errors.append(list(nan_row))
                 continue
         else:
             cap_list = list(cap)
         if len(cap_list) != len(ref_list):
             rep.problems.append(f"seq {s}: {len(cap_list)} captured layers vs {len(ref_list)}")
-        row = []
+        row, frac_row, inl_row = [], [], []
         for k, (c, r) in enumerate(zip(cap_list, ref_list)):
             if tuple(c.shape) != tuple(r.shape):
                 rep.problems.append(f"seq {s} layer#{k}: shape {tuple(c.shape)} vs {tuple(r.shape)}")
                 row.append(float("nan"))
+                frac_row.append(float("nan"))
+                inl_row.append(float("nan"))
                 continue
             row.append(relative_error(c, r))
+            rows = _row_errors(c, r)
+            bad = ~(rows <= tol * outlier_factor)  # NaN counts as bad
+            frac_row.append(bad.float().mean().item() if rows.numel() else 0.0)
+            keep = ~bad
+            if keep.any():
+                c2 = torch.as_tensor(c).reshape(-1, c.shape[-1])[keep]
+                r2 = torch.as_tensor(r).reshape(-1, r.shape[-1])[keep]
+                inl_row.append(relative_error(c2, r2))
+            else:
+                inl_row.append(float("nan"))
         rep.errors.append(row)
+        rep.outlier_fraction.append(frac_row)
+        rep.inlier_errors.append(inl_row)
     return rep
