@@ -34,20 +34,21 @@ done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2; shift 2
   PYTHONPATH=/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
-    --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" --gpu-memory-utilization 0.3 "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
+    --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
 t0=$(date +%s)
 PYTHONPATH=$SITE python3 -c 'import vllm, speculators_compat; print("vllm", vllm.__version__)'
 if [[ " $STEPS " == *" e2e "* ]]; then
   echo "== e2e cells"
-  cell 0.3.0 llama & cell 0.4.0.1 llama & wait
-  cell 0.3.0 qwen3 & cell 0.4.0.1 qwen3 & wait
+  # (wait on the two pids only: a bare `wait` would also wait for the tee of `exec > >(tee ...)`)
+  cell 0.3.0 llama & p1=$!; cell 0.4.0.1 llama & p2=$!; cell 0.3.0 qwen3 & p3=$!; cell 0.4.0.1 qwen3 & p4=$!
+  wait $p1 $p2 $p3 $p4
   echo "e2e done at +$(( $(date +%s) - t0 ))s"
 fi
 if [[ " $STEPS " == *" mla "* ]]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
-  cell 0.3.0 deepseek_v3 & cell 0.4.0.1 deepseek_v3 & wait
+  cell 0.3.0 deepseek_v3 & p1=$!; cell 0.4.0.1 deepseek_v3 & p2=$!; wait $p1 $p2
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
