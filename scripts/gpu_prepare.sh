@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare .gpu/ for scripts/gpu_run.sh: the CUDA vLLM 0.24 bundle (../shared/gpu recipe), this
 # package as a wheel, speculators 0.3.0 / 0.4.0.1, and the few wheels their import needs that
-# the GPU image lacks. MOE=1 also writes .gpu/moe/_moe_C.xz (MoE kernels) for a second call.
+# the GPU image lacks. MOE=1 also writes .gpu-moe/_moe_C.xz (MoE kernels) for a second call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
@@ -18,11 +18,11 @@ for v in 0.3.0 0.4.0.1; do
   ls .gpu/spec/speculators-$v-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps -d .gpu/spec speculators==$v 2>&1 | grep -v "is ignored" || true
 done
 if [ "${MOE:-0}" = 1 ]; then
-  mkdir -p .gpu/moe
+  mkdir -p .gpu-moe
   WORK=${TMPDIR:-/tmp}/gpu-bundle-work
   unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/_moe_C_stable_libtorch.abi3.so > /tmp/_moe_C.so
-  python3 .gpu/prune_fatbin.py /tmp/_moe_C.so && xz -9 -T0 -c /tmp/_moe_C.so > .gpu/moe/_moe_C.xz
+  python3 .gpu/prune_fatbin.py /tmp/_moe_C.so && xz -9 -T0 -c /tmp/_moe_C.so > .gpu-moe/_moe_C.xz
 fi
 (cd .gpu/bundle && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum > SHA256SUMS)
-du -sh .gpu/bundle .gpu/spec .gpu/moe 2>/dev/null || true
+du -sh .gpu/bundle .gpu/spec .gpu-moe 2>/dev/null || true
 echo "carry total: $(du -scb .gpu/bundle .gpu/spec | tail -1 | cut -f1) bytes (+ checkout)"

@@ -8,7 +8,8 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "mla" (DeepSeek-V3 tiny, needs the MoE kernels).
+# GPU_STEPS selects: "e2e bench" (default), "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
+# MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_USE_FLASHINFER_SAMPLER=0
@@ -25,8 +26,8 @@ if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $B/whl/*.whl || exit 3
   cat $B/vllm_tree.tar.xz* | xz -d -T0 | tar -x -C "$SITE" || exit 4
 fi
-if [ -f .gpu/moe/_moe_C.xz ] && [ ! -f "$SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
-  xz -d -c .gpu/moe/_moe_C.xz > "$SITE/vllm/_moe_C_stable_libtorch.abi3.so"
+if [ -f .gpu-moe/_moe_C.xz ] && [ ! -f "$SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
+  xz -d -c .gpu-moe/_moe_C.xz > "$SITE/vllm/_moe_C_stable_libtorch.abi3.so"
 fi
 for v in 0.3.0 0.4.0.1; do
   [ -d /tmp/spec-$v/speculators ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spec-$v .gpu/spec/speculators-$v-*.whl
@@ -46,8 +47,9 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   wait $p1 $p2 $p3 $p4
   echo "e2e done at +$(( $(date +%s) - t0 ))s"
 fi
-if [[ " $STEPS " == *" mla "* ]]; then
+if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
+  export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
   cell 0.3.0 deepseek_v3 & p1=$!; cell 0.4.0.1 deepseek_v3 & p2=$!; wait $p1 $p2
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
@@ -58,3 +60,5 @@ if [[ " $STEPS " == *" bench "* ]]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 fi
 echo "total $(( $(date +%s) - t0 ))s"
+# the device tool returns at most 8 files: keep the JSONs, pack the logs
+(cd "$OUT" && tar czf logs.tgz *.log && rm -f e2e_*.log throughput_*.log)
