@@ -5,6 +5,8 @@
 # Then one device call:       command "bash scripts/gpu_run.sh", carry [".gpu"]
 # Results land in $OUT (copied back); commit them under benchmarks/results/gpu/.
 #
+# The checkout's src/ comes first on PYTHONPATH (the installed wheel supplies the vllm.general_plugins
+# entry point), so code changes need no new wheel.
 # Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
@@ -34,7 +36,7 @@ for v in 0.3.0 0.4.0.1; do
 done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2; shift 2
-  PYTHONPATH=/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
+  PYTHONPATH=$PWD/src:/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
     --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
@@ -50,14 +52,22 @@ fi
 if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
-  cell 0.3.0 deepseek_v3 & p1=$!; cell 0.4.0.1 deepseek_v3 & p2=$!; wait $p1 $p2
+  # vLLM's MLA kernels take head size kv_lora_rank + qk_rope_head_dim in {320, 576} (0.24)
+  MLA='{"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}'
+  cell 0.3.0 deepseek_v3 --overrides "$MLA" & p1=$!; cell 0.4.0.1 deepseek_v3 --overrides "$MLA" & p2=$!; wait $p1 $p2
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=/tmp/spec-0.4.0.1:$SITE timeout 400 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 400 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
+fi
+if [[ " $STEPS " == *" nopin "* ]]; then
+  echo "== throughput with SPECULATORS_COMPAT_PIN=0 (pageable exchange buffers)"
+  SPECULATORS_COMPAT_PIN=0 SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+    --batch 32 --prompt-len 1024 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200_nopin.json" \
+    > "$OUT/throughput_h200_nopin.log" 2>&1; echo "bench nopin rc=$?"
 fi
 echo "total $(( $(date +%s) - t0 ))s"
 # the device tool returns at most 8 files: keep the JSONs, pack the logs

@@ -74,7 +74,11 @@ def run(args, progress=None) -> dict:
         "cases": {},
     }
     say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
-    model_dir = tiny_models.build_tiny_model(args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size)
+    overrides = json.loads(args.overrides) if args.overrides else None
+    result["overrides"] = overrides
+    model_dir = tiny_models.build_tiny_model(
+        args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides
+    )
     result["model_dir"] = str(model_dir)
     layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
 
@@ -178,6 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--platform", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overrides", default=None, help="JSON of model config keys (e.g. MLA dims for GPU kernels)")
     args = parser.parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
