@@ -318,6 +318,10 @@ def companion(pkg: str, torch_ver: str) -> str | None:
     wheels = compatible_wheels(pkg)
     t = tuple(int(x) for x in torch_ver.split(".")[:3])
     if pkg == "torchaudio":
+        # same release as torch where it exists: torchaudio 2.11.1 "allows" torch 2.11.0 by its
+        # metadata but its library fails to load against it (undefined symbol; measured)
+        if torch_ver in wheels:
+            return torch_ver
         guess = [v for v in wheels if v.split(".")[:2] == torch_ver.split(".")[:2]]
     else:  # torchvision 0.(minor+15).x pairs with torch 2.minor.x
         guess = [v for v in wheels if v.startswith(f"0.{t[1] + 15}.")]
@@ -612,6 +616,10 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
             reqs += [f"{n}{s}" for n, s in sr["own_bounds"].items()]
     reqs += SELF_DEPS + extras
     runner.run("install", cmd + reqs)
+    if vr and vr["no_companion"]:
+        # no release pairs with this torch: another package may still have pulled one in, whose
+        # native library then fails to load (seen: torchaudio 2.11.1 beside torch 2.13.0)
+        runner.run("drop-companions", [uv, "pip", "uninstall", "--python", py, *vr["no_companion"]], check=False)
     if sr:
         runner.run("speculators", [uv, "pip", "install", "--python", py, "--no-deps",
                                    f"speculators=={sr['version']}"])

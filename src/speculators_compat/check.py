@@ -261,8 +261,26 @@ def _junit(out: dict, code: int) -> str:
 EXIT_WORDS = {0: "supported", 1: "works, untested", 2: "DRIFT", 3: "cannot check"}
 
 
+def _run_with_stdout_on_stderr():
+    """vLLM and speculators log to stdout while importing: keep stdout for our report only."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real_stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        return run_check()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        sys.stdout = real_stdout
+
+
 def cmd_check(args) -> int:
-    code, out = run_check()
+    code, out = _run_with_stdout_on_stderr()
     serial = {**out, "findings": [asdict(f) for f in out["findings"]], "exit_code": code, "verdict": EXIT_WORDS[code]}
     if args.junit:
         with open(args.junit, "w") as fh:

@@ -43,6 +43,10 @@ def require_params(obj: Any, names: tuple[str, ...], what: str) -> str | None:
 
 
 def import_attr(module: str, attr: str) -> Any:
+    """``module``'s attribute ``attr`` (dotted paths such as ``Class.method`` allowed)."""
     import importlib
 
-    return getattr(importlib.import_module(module), attr)
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj

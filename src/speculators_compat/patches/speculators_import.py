@@ -15,6 +15,12 @@ real torch module. It must run before speculators defines its config classes (a 
 module is imported, gated on the installed speculators and transformers versions. Nothing else
 changes; revert removes the name again.
 
+Also: speculators' ``models/eagle.py`` (imported by ``import speculators``) imports
+``_prepare_4d_causal_attention_mask`` from ``transformers.modeling_attn_mask_utils``, a module
+transformers removed in 5.2x (vLLM 0.20–0.29 resolve to 5.24: measured). The generator never
+calls it: the patch registers a stand-in module whose helper raises a clear error if called
+(speculators' Eagle *training* needs an older transformers), so the import succeeds.
+
 Also: speculators 0.4.x imports ``get_hash_fn_by_name`` from ``vllm.utils.hashing``, a module
 that appeared in 0.11.1; on 0.11.0 the function is ``vllm.utils.get_hash_fn_by_name``, so the
 generator's module fails to import. A post-import hook on ``vllm.utils`` registers an alias
@@ -72,7 +78,45 @@ def _probe_hashing(current):
     return None
 
 
+_MASK_MODULE = "transformers.modeling_attn_mask_utils"
+
+
+def _removed_mask_helper(*args, **kwargs):
+    import transformers
+
+    raise NotImplementedError(
+        f"transformers {transformers.__version__} removed {_MASK_MODULE}._prepare_4d_causal_attention_mask; "
+        "speculators' Eagle model (training) calls it and needs transformers<5.20. speculators-compat only "
+        "makes the import succeed so that the hidden-state generator, which never calls it, can run."
+    )
+
+
+def _build_mask_module(current):
+    import types
+
+    module = types.ModuleType(_MASK_MODULE, "speculators_compat stand-in: the helper raises a clear error when called")
+    module._prepare_4d_causal_attention_mask = _removed_mask_helper
+    sys.modules[_MASK_MODULE] = module
+    return module
+
+
+def _probe_mask_module(current):
+    import importlib.util
+
+    if current is not MISSING or _MASK_MODULE in sys.modules or importlib.util.find_spec(_MASK_MODULE) is not None:
+        return f"expected transformers without {_MASK_MODULE} (removed in 5.2x); found it"
+    return None
+
+
 PATCHES = [
+    Patch(
+        id="attn-mask-utils-stand-in",
+        family="speculators-import",
+        hook_module="transformers",
+        attribute="modeling_attn_mask_utils",
+        build=_build_mask_module,
+        probe=_probe_mask_module,
+    ),
     Patch(
         id="hashing-module-alias",
         family="speculators-import",
