@@ -16,12 +16,28 @@ same. Environment:
 from __future__ import annotations
 
 import os
+import sys
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "activate", "deactivate", "report", "context_line", "get_registry"]
 
 _registry = None
+_config: tuple[bool, str | None] = (False, None)  # (strict, selection) of the last activate()
+_front_hooked = False
+_activation_requested = False
+
+# The modules whose import triggers patches (each patch's ``hook_module``; a unit test keeps
+# this list equal to the patches'). ``import speculators_compat`` only installs a one-shot
+# import trigger for these (_trigger.py): the registry, wrapt, the patch definitions, the matrix
+# (yaml) and version parsing (packaging) are loaded when the first of them is imported.
+HOOK_MODULES = (
+    "transformers",
+    "transformers.configuration_utils",
+    "vllm.utils",
+    "speculators.data_generation.vllm_hidden_states_generator",
+    "speculators.data_generation.custom_worker",
+)
 
 
 def get_registry():
@@ -36,37 +52,81 @@ def get_registry():
         reg = Registry(matrix_loader=lambda ids: load_matrix(known_ids=ids), versions_reader=installed_versions)
         for patch in all_patches():
             reg.register(patch)
+        reg.configure(strict=_config[0], selection=_config[1])
         _registry = reg
+        if _activation_requested:  # activate() ran before the registry existed
+            reg.activate()
     return _registry
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
 def activate(strict: bool | None = None, patches: str | None = None) -> bool:
-    """Register the patches' import hooks (apply at once to targets already imported).
+    """Activate the patches: they apply when their targets are imported (at once if already).
 
     Safe to call many times. ``strict``/``patches`` default to the environment; values given
     here are written back to the environment so that vLLM's worker processes see them too.
     Returns False when disabled by ``SPECULATORS_COMPAT_DISABLE``.
     """
-    from .registry import env_flag
-
-    if env_flag("SPECULATORS_COMPAT_DISABLE"):
+    global _config, _activation_requested
+    if _env_flag("SPECULATORS_COMPAT_DISABLE"):
         return False
     if strict is None:
-        strict = env_flag("SPECULATORS_COMPAT_STRICT")
+        strict = _env_flag("SPECULATORS_COMPAT_STRICT")
     else:
         os.environ["SPECULATORS_COMPAT_STRICT"] = "1" if strict else "0"
     if patches is None:
         patches = os.environ.get("SPECULATORS_COMPAT_PATCHES")
     else:
         os.environ["SPECULATORS_COMPAT_PATCHES"] = patches
-    reg = get_registry()
-    reg.configure(strict=strict, selection=patches)
-    reg.activate()
+    _config = (strict, patches)
+    _activation_requested = True
+    if _registry is not None or (patches and patches.strip()):
+        _activate_registry()  # re-apply now / validate the selection now
+    else:
+        _hook_front()
     return True
+
+
+def _hook_front() -> None:
+    global _front_hooked
+    if _front_hooked:
+        return
+    imported = [m for m in HOOK_MODULES if m in sys.modules]
+    if imported:  # a target is already here: build the registry now
+        _front_hook(sys.modules[imported[0]])
+        return
+    from ._trigger import TriggerFinder
+
+    TriggerFinder(HOOK_MODULES, _front_hook).install()
+    _front_hooked = True
+
+
+def _front_hook(module) -> None:
+    if _registry is not None and _registry.active:
+        return  # the registry's own hooks handle it
+    try:
+        _activate_registry()
+    except Exception as exc:  # noqa: BLE001 - never break the target's import (strict: below)
+        import warnings
+
+        warnings.warn(f"speculators_compat: activation failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        if _config[0]:
+            raise
+
+
+def _activate_registry() -> None:
+    reg = get_registry()
+    reg.configure(strict=_config[0], selection=_config[1])
+    reg.activate()
 
 
 def deactivate() -> None:
     """Revert every applied patch (the original objects are put back) and stop applying."""
+    global _activation_requested
+    _activation_requested = False
     if _registry is not None:
         _registry.deactivate()
 

@@ -63,17 +63,45 @@ def test_import_leaves_heavy_packages_unimported(heavy_stand_ins):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[], sorted(HEAVY)]
 
 
-def test_import_registers_one_hook_per_target_module():
+def test_hook_modules_list_matches_the_patches():
+    import speculators_compat
+
+    assert set(speculators_compat.HOOK_MODULES) == {p.hook_module for p in all_patches()}
+
+
+def test_import_installs_only_a_trigger_then_one_hook_per_target_module(tmp_path):
+    """The import registers no wrapt hook (wrapt is not even imported); the first import of a
+    target builds the registry, which then holds one wrapt hook per target module."""
+    gen = tmp_path / "speculators" / "data_generation"
+    gen.mkdir(parents=True)
+    (tmp_path / "speculators" / "__init__.py").write_text("")
+    (gen / "__init__.py").write_text("")
+    (gen / "vllm_hidden_states_generator.py").write_text("MARK = 1\n")
     code = """
-        import json
-        import wrapt.importer as wi
+        import json, sys
         import speculators_compat
-        print(json.dumps(sorted(wi._post_import_hooks)))
+        state = {"wrapt_loaded": "wrapt" in sys.modules, "registry": speculators_compat._registry is not None,
+                 "trigger": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "TriggerFinder"]}
+        import speculators.data_generation.vllm_hidden_states_generator as g
+        import wrapt.importer as wi
+        state["after_registry"] = speculators_compat._registry is not None and speculators_compat._registry.active
+        state["hooked"] = sorted(wi._post_import_hooks)
+        state["statuses"] = sorted({r["status"] for r in speculators_compat.report()
+                                    if r["target"].startswith("speculators.data_generation.vllm_hidden")})
+        state["module_ok"] = g.MARK == 1
+        print(json.dumps(state))
     """
-    proc = _run(code, subprocess_env())
+    proc = _run(code, subprocess_env(PYTHONPATH=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr
-    hooked = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(hooked) == {p.hook_module for p in all_patches()}
+    state = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert state["wrapt_loaded"] is False and state["registry"] is False
+    assert state["trigger"] == ["TriggerFinder"]
+    assert state["after_registry"] is True and state["module_ok"] is True
+    # one wrapt hook per target module still to come (wrapt drops a hook once it has fired)
+    fired = "speculators.data_generation.vllm_hidden_states_generator"
+    assert set(state["hooked"]) == {p.hook_module for p in all_patches()} - {fired}
+    # the trigger fired on the target's import: its patches were gated (not left pending)
+    assert "pending" not in state["statuses"]
 
 
 def test_disable_in_a_fresh_process_registers_nothing():
