@@ -71,9 +71,14 @@ def _raise(step: str, exc: BaseException):
     raise ExtractionError(f"{step} failed: {describe_exception(exc)}\n[{_context()}]") from exc
 
 
+def rpc_timeout() -> float:
+    """Seconds a shim RPC may take before generate() fails (SPECULATORS_COMPAT_RPC_TIMEOUT, 600)."""
+    return float(os.environ.get("SPECULATORS_COMPAT_RPC_TIMEOUT", "600"))
+
+
 def _rpc(executor, op, *args):
     try:
-        replies = executor.collective_rpc(RPC_NAME, args=(op, *args))
+        replies = executor.collective_rpc(RPC_NAME, args=(op, *args), timeout=rpc_timeout())
     except Exception as exc:  # noqa: BLE001
         _raise(f"worker RPC {op}", exc)
     for rank, reply in enumerate(replies):
