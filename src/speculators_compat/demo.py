@@ -32,7 +32,7 @@ def run_demo(args) -> int:
         return 3
     ns = argparse.Namespace(
         arch=args.arch, unpatched=False, layers=args.layers, max_model_len=2048, num_layers=4,
-        hidden_size=128, gpu_memory_utilization=None, platform="auto", seed=0,
+        hidden_size=128, gpu_memory_utilization=None, platform="auto", seed=0, overrides=None,
     )
     r = e2e_runner.run(ns, progress=_say)
     if args.json:
