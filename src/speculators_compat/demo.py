@@ -8,7 +8,6 @@ anything disagrees.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -30,10 +29,8 @@ def run_demo(args) -> int:
             file=sys.stderr,
         )
         return 3
-    ns = argparse.Namespace(
-        arch=args.arch, unpatched=False, layers=args.layers, max_model_len=2048, num_layers=4,
-        hidden_size=128, gpu_memory_utilization=None, platform="auto", seed=0, overrides=None,
-    )
+    argv = ["--arch", args.arch] + (["--layers", args.layers] if args.layers else [])
+    ns = e2e_runner.build_parser().parse_args(argv)  # the runner's own defaults
     r = e2e_runner.run(ns, progress=_say)
     if args.json:
         with open(args.json, "w") as f:

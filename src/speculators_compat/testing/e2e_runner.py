@@ -170,7 +170,7 @@ def run(args, progress=None) -> dict:
     return result
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--out", default=None, help="write the JSON result here (default: stdout)")
@@ -183,6 +183,11 @@ def main(argv=None) -> int:
     parser.add_argument("--platform", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overrides", default=None, help="JSON of model config keys (e.g. MLA dims for GPU kernels)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
