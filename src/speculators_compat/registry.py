@@ -28,6 +28,7 @@ logger = logging.getLogger("speculators_compat")
 
 __all__ = [
     "MISSING",
+    "NotNeeded",
     "Patch",
     "PatchConflict",
     "PatchError",
@@ -44,6 +45,11 @@ class _Missing:
 
 
 MISSING: Any = _Missing()
+
+
+class NotNeeded(str):
+    """A probe's verdict that the real object already has the shape the patch would give it
+    (e.g. a module the patch stands in for still exists): the patch is skipped, not failed."""
 
 
 class PatchConflict(ValueError):
@@ -326,6 +332,9 @@ class Registry:
             # the module was reloaded (or someone replaced the attribute): forget the old record
             del self._applied[pid]
         problem = patch.probe(current)
+        if isinstance(problem, NotNeeded):
+            self._set(patch, "skipped", f"not needed: {problem}")
+            return
         if problem:
             raise DriftError(f"probe failed: {problem}")
         slot = vars(parent).get(attribute, MISSING) if hasattr(parent, "__dict__") else MISSING

@@ -631,3 +631,20 @@ def test_retried_import_after_strict_failure_is_not_silently_unpatched(fake_modu
             importlib.import_module(name)
         with pytest.raises(PatchError):
             importlib.import_module(name)
+
+
+def test_probe_saying_not_needed_skips_without_warning_even_in_strict_mode(fake_modules):
+    from speculators_compat.registry import NotNeeded
+
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name, probe=lambda current: NotNeeded("the target already has it"))
+    reg = make_registry([p])
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        mod = importlib.import_module(name)
+    assert mod.f(1) == ("orig", 1)
+    assert builds == []
+    st = status(reg, "p1")
+    assert (st.status, st.reason) == ("skipped", "not needed: the target already has it")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 
-from ..registry import MISSING, Patch
+from ..registry import MISSING, NotNeeded, Patch
 
 _TARGET = "transformers.configuration_utils"
 
@@ -67,12 +67,10 @@ def _build_hashing_module(current):
 
 
 def _probe_hashing(current):
-    if current is not MISSING or "vllm.utils.hashing" in sys.modules:
-        return "expected no vllm.utils.hashing module (it exists from vLLM 0.11.1); found one"
     import importlib.util
 
-    if importlib.util.find_spec("vllm.utils.hashing") is not None:
-        return "expected no vllm.utils.hashing module (it exists from vLLM 0.11.1); found one on disk"
+    if current is not MISSING or "vllm.utils.hashing" in sys.modules or importlib.util.find_spec("vllm.utils.hashing"):
+        return NotNeeded("this vLLM has vllm.utils.hashing")
     if not callable(getattr(sys.modules.get("vllm.utils"), "get_hash_fn_by_name", None)):
         return "expected vllm.utils.get_hash_fn_by_name (vLLM 0.11.0); not found"
     return None
@@ -104,7 +102,7 @@ def _probe_mask_module(current):
     import importlib.util
 
     if current is not MISSING or _MASK_MODULE in sys.modules or importlib.util.find_spec(_MASK_MODULE) is not None:
-        return f"expected transformers without {_MASK_MODULE} (removed in 5.2x); found it"
+        return NotNeeded(f"this transformers still has {_MASK_MODULE}")
     return None
 
 
