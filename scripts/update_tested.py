@@ -49,6 +49,12 @@ E2E_COMMAND = (
     "timeout 1500 $PY -m speculators_compat.testing.e2e_runner --arch ARCH [--unpatched] "
     "--out /work/main/benchmarks/results/e2e/spec-S_vllm-V_ARCH[_unpatched].json"
 )
+UNPATCHED_NOTE = (
+    "Unpatched cells are run with `SPECULATORS_COMPAT_DISABLE=1` in the environment as well as"
+    " `--unpatched`: `python -m speculators_compat.testing.e2e_runner` imports (and so activates)"
+    " the package before the runner sets the variable, so `--unpatched` alone leaves the main"
+    " process patched and only the workers unpatched."
+)
 
 
 # --------------------------------------------------------------------------- reading results
@@ -322,7 +328,8 @@ def render_summary(grouped: dict, rows: list[dict]) -> str:
         else:
             cols.append(f"{u.error_type()}: " + u.error_line(90).split(": ", 1)[-1].replace("|", "\\|"))
         out.append("| " + " | ".join(cols) + " |")
-    out += ["", "Unpatched cells must fail: they record how speculators' generator breaks without the shim.", ""]
+    out += ["", "Unpatched cells must fail: they record how speculators' generator breaks without the shim.",
+            UNPATCHED_NOTE, ""]
     return "\n".join(out)
 
 
