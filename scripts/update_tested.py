@@ -12,6 +12,9 @@ One row per (speculators, vLLM release, platform):
 - ``broken``: a patched cell failed (evidence: that cell's error, one line);
 - ``untested``: only unpatched cells were run for that pair.
 
+Cells run with ``--overrides`` (model-config variants, e.g. MLA dims for GPU kernels) are
+exploratory: they do not decide the status, but a failing one is named in the evidence.
+
 vLLM builds are normalised to their release (``0.11.0.post2`` / ``0.16.0+cpu`` -> ``0.11.0`` /
 ``0.16.0``). When the same cell was run more than once, the newest file (mtime) wins.
 
@@ -94,6 +97,7 @@ class Cell:
         self.unpatched = bool(data.get("unpatched"))
         self.error = data.get("error")
         self.passed = bool(data.get("passed")) and not self.error
+        self.variant = bool(data.get("overrides"))
 
     @property
     def pair(self) -> tuple[str, str, str]:
@@ -167,8 +171,8 @@ def group(cells: list[Cell]) -> dict:
     """{pair: {"patched": {arch: Cell}, "unpatched": {arch: Cell}}}, newest file per cell."""
     out: dict = {}
     for c in sorted(cells, key=lambda c: c.mtime):
-        slot = out.setdefault(c.pair, {"patched": {}, "unpatched": {}})
-        slot["unpatched" if c.unpatched else "patched"][c.arch] = c
+        slot = out.setdefault(c.pair, {"patched": {}, "unpatched": {}, "variants": {}})
+        slot["variants" if c.variant else "unpatched" if c.unpatched else "patched"][c.arch] = c
     return out
 
 
@@ -189,14 +193,15 @@ def rows_from(grouped: dict) -> list[dict]:
     for pair in sorted(grouped, key=_pair_sort):
         s, v, platform = pair
         patched, unpatched = grouped[pair]["patched"], grouped[pair]["unpatched"]
-        newest = max(c.mtime for c in [*patched.values(), *unpatched.values()])
+        variants = grouped[pair]["variants"]
+        newest = max(c.mtime for c in [*patched.values(), *unpatched.values(), *variants.values()])
         date = _dt.datetime.fromtimestamp(newest, _dt.timezone.utc).strftime("%Y-%m-%d")
         unp = ""
         if unpatched:
             u = unpatched[_arch_sort(unpatched)[0]]
             unp = f"unpatched: {u.error_line(110)}"
         if not patched:
-            status, evidence = "untested", "only unpatched runs; " + unp
+            status, evidence = "untested", ("only unpatched runs; " + unp) if unpatched else ""
         else:
             failed = [patched[a] for a in _arch_sort(patched) if not patched[a].passed]
             if failed:
@@ -217,6 +222,11 @@ def rows_from(grouped: dict) -> list[dict]:
                 evidence += f" ({','.join(dtypes)})"
                 if unp:
                     evidence += "; " + unp
+        for a in _arch_sort(variants):
+            if not variants[a].passed:
+                evidence += f"; variant {a} (overrides, not counted) failed: {variants[a].error_line(100)}"
+        if not patched and not unpatched:
+            status, evidence = "untested", evidence.lstrip("; ")
         rows.append(
             {"speculators": s, "vllm": v, "status": status, "platform": platform, "evidence": evidence, "date": date}
         )
