@@ -26,6 +26,7 @@ from speculators_compat.testing import (  # noqa: E402
     relative_error,
     vllm_engine_kwargs,
     vllm_env,
+    vllm_unsupported_reason,
 )
 
 SEQUENCES = [[1] + list(range(10, 90)), [1] + list(range(400, 700, 3)) + list(range(4, 40))]
@@ -159,3 +160,8 @@ def test_vllm_knobs_are_data():
     assert vllm_env("deepseek_v3", "cpu")["VLLM_MLA_DISABLE"] == "1"
     assert vllm_env("llama", "cpu")["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_MLA_DISABLE" not in vllm_env("deepseek_v3", "cuda")
+    assert vllm_unsupported_reason("gpt_oss", "0.16.0", "cpu", "float32")
+    assert vllm_unsupported_reason("gpt_oss", "0.16.0", "cpu", "bfloat16") is None
+    assert vllm_unsupported_reason("gpt_oss", "0.32.0", "cpu", "float32") is None
+    assert vllm_unsupported_reason("gpt_oss", "0.16.0", "cuda", "float32") is None
+    assert vllm_unsupported_reason("llama", "0.16.0") is None

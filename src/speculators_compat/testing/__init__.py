@@ -21,6 +21,7 @@ from .tiny_models import (
     tiny_config_kwargs,
     vllm_engine_kwargs,
     vllm_env,
+    vllm_unsupported_reason,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "tiny_config_kwargs",
     "vllm_engine_kwargs",
     "vllm_env",
+    "vllm_unsupported_reason",
 ]

