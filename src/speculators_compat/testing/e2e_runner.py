@@ -44,6 +44,27 @@ def _sequences(lengths, rng, vocab):
     return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
 
 
+def _force_engine_dtype(dtype: str) -> None:
+    """Make the generator's engine compute in ``dtype``.
+
+    speculators builds ``ModelConfig(dtype="auto")`` itself, and vLLM's "auto" downcasts a
+    float32 checkpoint to the platform's preferred dtype (bf16 on CPU). For mixture-of-experts
+    models bf16 is not a usable reference: near-tied router scores pick different experts in
+    two correct implementations (tiny_models.MOE_ARCHITECTURES; HF bf16 vs HF fp32 alone differs
+    by up to ~18% on some tokens), so a decisive check of the capture runs them in float32.
+    Test-harness only: wraps the ``ModelConfig`` name speculators' module calls.
+    """
+    from speculators.data_generation import vllm_hidden_states_generator as gen
+
+    original = gen.ModelConfig
+
+    def model_config(*args, **kwargs):
+        kwargs["dtype"] = dtype
+        return original(*args, **kwargs)
+
+    gen.ModelConfig = model_config
+
+
 def _platform() -> str:
     import torch
 
@@ -63,6 +84,9 @@ def run(args, progress=None) -> dict:
 
     import speculators_compat  # noqa: F401 - activates (unless disabled)
 
+    if args.dtype != "auto":
+        _force_engine_dtype(args.dtype)
+
     from speculators_compat.versions import installed_versions
 
     versions = {k: v.version for k, v in installed_versions().items()}
@@ -71,6 +95,7 @@ def run(args, progress=None) -> dict:
         "platform": platform,
         "versions": versions,
         "unpatched": bool(args.unpatched),
+        "engine_dtype": args.dtype,
         "cases": {},
     }
     say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
@@ -182,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--platform", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="engine dtype (default: speculators' 'auto', i.e. bf16 for these float32 checkpoints on CPU); "
+        "float32 gives MoE archs a decisive comparison",
+    )
     parser.add_argument("--overrides", default=None, help="JSON of model config keys (e.g. MLA dims for GPU kernels)")
     return parser
 
