@@ -105,6 +105,8 @@ def _hook_front() -> None:
 
 
 def _front_hook(module) -> None:
+    if not _activation_requested:
+        return  # deactivate() ran after the trigger was installed
     if _registry is not None and _registry.active:
         return  # the registry's own hooks handle it
     try:

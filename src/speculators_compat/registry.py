@@ -83,6 +83,7 @@ class Patch:
     probe: ProbeFn
     owner_module: str | None = None
     doc: str = ""
+    module_alias: str | None = None  # a module the patch registers in sys.modules (stand-ins)
 
     @property
     def owner(self) -> tuple[str, str]:
@@ -349,6 +350,9 @@ class Registry:
         done = self._applied.pop(pid, None)
         if done is None:
             return
+        alias = self._patches[pid].module_alias
+        if alias is not None and sys.modules.get(alias) is done.replacement:
+            del sys.modules[alias]
         if _live(done.parent, done.attribute) is done.replacement:
             if done.slot is MISSING:
                 delattr(done.parent, done.attribute)
@@ -379,6 +383,9 @@ class Registry:
         done = self._applied.get(pid)
         if done is None:
             return False
+        alias = self._patches[pid].module_alias
+        if alias is not None:  # a stand-in module: live while sys.modules holds it
+            return sys.modules.get(alias) is done.replacement
         module_name, _ = self._patches[pid].owner
         try:
             parent, attribute = _resolve_parent(module_name, self._patches[pid].attribute)

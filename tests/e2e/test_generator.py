@@ -70,3 +70,6 @@ def test_unpatched_generator_fails(tmp_path):
     r = _run_cell(ARCHS[0], tmp_path, "--unpatched")
     assert "error" in r, "the unpatched generator ran without error: the bed does not reproduce the breakage"
     assert r["error"]["type"], r["error"]
+    # it failed in speculators/vLLM, not in the shim: nothing was patched in this process
+    assert r["error"]["type"] != "ExtractionError", r["error"]
+    assert "patches applied here" not in r["error"]["message"], r["error"]["message"]

@@ -114,6 +114,7 @@ PATCHES = [
         attribute="modeling_attn_mask_utils",
         build=_build_mask_module,
         probe=_probe_mask_module,
+        module_alias=_MASK_MODULE,
     ),
     Patch(
         id="hashing-module-alias",
@@ -122,6 +123,7 @@ PATCHES = [
         attribute="hashing",
         build=_build_hashing_module,
         probe=_probe_hashing,
+        module_alias="vllm.utils.hashing",
     ),
     Patch(
         id="speculators-import-torch-annotation",

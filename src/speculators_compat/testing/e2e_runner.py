@@ -74,7 +74,12 @@ def _platform() -> str:
 def run(args, progress=None) -> dict:
     say = progress or (lambda msg: None)
     if args.unpatched:
+        # `python -m speculators_compat.testing...` has imported (and activated) the package
+        # already: deactivate here, and disable it for the workers through the environment.
         os.environ["SPECULATORS_COMPAT_DISABLE"] = "1"
+        import speculators_compat
+
+        speculators_compat.deactivate()
     from speculators_compat.testing import tiny_models
 
     platform = _platform() if args.platform == "auto" else args.platform
