@@ -113,6 +113,17 @@ def _allocate(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
+def _engine_step(executor, scheduler, so, what: str) -> None:
+    """One step as vLLM's EngineCore.step drives it: execute, sample where split, update."""
+    try:
+        output = executor.execute_model(so)
+        if output is None and callable(getattr(executor, "sample_tokens", None)):
+            output = executor.sample_tokens(None)  # 0.11.1+: execute_model defers sampling
+        scheduler.update_from_output(so, output)
+    except Exception as exc:  # noqa: BLE001
+        _raise(what, exc)
+
+
 def _tokens_list(token_ids, torch):
     if isinstance(token_ids, torch.Tensor):
         return token_ids.tolist()
@@ -188,7 +199,6 @@ def generate(self, token_ids):
 
     computed = dict.fromkeys(req_ids, 0)
     executor, scheduler = self.executor, self.scheduler
-    has_sample_tokens = callable(getattr(executor, "sample_tokens", None))
     iterations = 0
     started = time.perf_counter()
     while scheduler.has_unfinished_requests():
@@ -205,26 +215,14 @@ def generate(self, token_ids):
                 raise ExtractionError(f"the scheduler scheduled unknown request {rid!r}\n[{_context()}]")
             step[rid] = (n, computed[rid])
         _rpc(executor, "step", step)
-        try:
-            output = executor.execute_model(so)
-            if output is None and has_sample_tokens:
-                output = executor.sample_tokens(None)
-            scheduler.update_from_output(so, output)
-        except Exception as exc:  # noqa: BLE001
-            _raise(f"engine step {iterations}", exc)
+        _engine_step(executor, scheduler, so, f"engine step {iterations}")
         for rid, (n, _) in step.items():
             computed[rid] += n
     # Deliver the finished request ids to the workers (V2 runners free slots on them).
     so = scheduler.schedule()
     if so.total_num_scheduled_tokens == 0 and getattr(so, "finished_req_ids", None):
         _rpc(executor, "step", {})
-        try:
-            output = executor.execute_model(so)
-            if output is None and has_sample_tokens:
-                output = executor.sample_tokens(None)
-            scheduler.update_from_output(so, output)
-        except Exception as exc:  # noqa: BLE001
-            _raise("engine cleanup step", exc)
+        _engine_step(executor, scheduler, so, "engine cleanup step")
     _rpc(executor, "finish")
     log.debug(f"Extraction took {iterations} scheduler iterations in {time.perf_counter() - started:.3f}s")
 
