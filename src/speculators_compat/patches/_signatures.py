@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -10,12 +11,25 @@ WORKER = "speculators.data_generation.custom_worker"
 
 
 def parameters(obj: Any) -> dict[str, inspect.Parameter] | None:
-    """Named parameters of a callable (classes: their constructor), or None if unreadable."""
+    """Named parameters of a callable (classes: their constructor), or None if unreadable.
+
+    Cached per object: adapters ask on every call (e.g. once per Request), signatures don't change.
+    """
+    try:
+        return _cached_parameters(obj)
+    except TypeError:  # unhashable callable
+        return _read_parameters(obj)
+
+
+def _read_parameters(obj: Any) -> dict[str, inspect.Parameter] | None:
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return None
     return dict(sig.parameters)
+
+
+_cached_parameters = functools.lru_cache(maxsize=256)(_read_parameters)
 
 
 def accepts(obj: Any, name: str) -> bool:
