@@ -89,8 +89,13 @@ def run(args, progress=None) -> dict:
 
     import speculators_compat  # noqa: F401 - activates (unless disabled)
 
-    if args.dtype != "auto":
-        _force_engine_dtype(args.dtype)
+    engine_dtype = args.dtype
+    if engine_dtype == "auto" and platform == "cpu" and args.arch in tiny_models.MOE_ARCHITECTURES:
+        # bf16 is no reference for MoE: near-tied router scores pick different experts in two
+        # correct implementations (HF bf16 vs HF fp32 alone: up to 18%; benchmarks/results/arch)
+        engine_dtype = "float32"
+    if engine_dtype != "auto":
+        _force_engine_dtype(engine_dtype)
 
     from speculators_compat.versions import installed_versions
 
@@ -100,7 +105,7 @@ def run(args, progress=None) -> dict:
         "platform": platform,
         "versions": versions,
         "unpatched": bool(args.unpatched),
-        "engine_dtype": args.dtype,
+        "engine_dtype": engine_dtype,
         "cases": {},
     }
     say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
@@ -178,7 +183,12 @@ def run(args, progress=None) -> dict:
             for o, s in zip(out, seqs)
         )
         ref = hf_layer_outputs(model_dir, seqs, ids, dtype=captured_dtype, device=device)
-        rep = compare([[h.to(device) for h in o["hidden_states"]] for o in out], ref, dtype=captured_dtype)
+        # MoE: a single near-tie may still flip an expert in float32 (seen: 1 token of gpt_oss)
+        outliers = 0.01 if args.arch in tiny_models.MOE_ARCHITECTURES else 0.0
+        rep = compare(
+            [[h.to(device) for h in o["hidden_states"]] for o in out], ref, dtype=captured_dtype,
+            max_outlier_fraction=outliers,
+        )
         case["max_error"] = rep.max_error
         case["tolerance"] = rep.tolerance
         case["passed"] = rep.passed and case["shapes_ok"]
