@@ -128,6 +128,10 @@ class CaptureState:
         import torch
 
         self.end()
+        # forwards outside a driver call (vLLM's warm-up dummy run) went to speculators' own
+        # store: drop them, as speculators' _reset_capture does, so they hold no device memory
+        self.worker._captured_states = None
+        self.legacy_step = {}
         if not self.capture:
             return {"rank_captures": False}
         dtype = getattr(torch, dtype_name)
