@@ -16,7 +16,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import warnings
@@ -407,7 +406,3 @@ class Registry:
 
 class DriftError(RuntimeError):
     """A probe found the real object different from what the patch expects."""
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
