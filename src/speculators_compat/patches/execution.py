@@ -21,7 +21,9 @@ execute_model → sample_tokens where needed → ``update_from_output``; request
 ``max_tokens=1`` and their ids reach the workers), keeps speculators' contract — request ids
 ``req_{call}_{i}``, truncation to ``max_model_len - 1``, the logger, the result dicts
 ``{"input_ids", "hidden_states", "loss_mask"}`` in input order — and receives hidden states
-in shared memory written in place by the worker (``worker_capture``). Every sequence gets
+in shared memory written in place by the worker (``worker_capture``), leased from a pool
+that is mapped and page-locked once and recycled when results are dropped (``exchange``);
+each call's phase timings are left on the generator (``_speculators_compat_timings``). Every sequence gets
 exactly its (truncated) length for every layer, or the call raises.
 """
 
@@ -29,13 +31,15 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
-import uuid
 
+from ..exchange import ExchangePool
 from ..registry import wrapper_patch
 from ._signatures import GENERATOR, import_attr, parameters
 from .worker_capture import RPC_NAME
+
+POOL_ATTR = "_speculators_compat_pool"
+TIMINGS_ATTR = "_speculators_compat_timings"
 
 __all__ = ["ExtractionError", "generate"]
 
@@ -91,28 +95,6 @@ def _rpc(executor, op, *args):
     return [r["value"] for r in replies]
 
 
-def shm_dir() -> str:
-    configured = os.environ.get("SPECULATORS_COMPAT_SHM_DIR")
-    if configured:
-        return configured
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _allocate(path: str, nbytes: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        if nbytes:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                raise ExtractionError(
-                    f"cannot reserve {nbytes} bytes for captured states in {os.path.dirname(path)} "
-                    f"({exc.strerror}); free space there or set SPECULATORS_COMPAT_SHM_DIR"
-                ) from None
-    finally:
-        os.close(fd)
-
-
 def _engine_step(executor, scheduler, so, what: str) -> None:
     """One step as vLLM's EngineCore.step drives it: execute, sample where split, update."""
     try:
@@ -160,26 +142,75 @@ def generate(self, token_ids):
     req_ids = [f"req_{call}_{i}" for i in range(len(input_ids_list))]
     lengths = {rid: len(ids) for rid, ids in zip(req_ids, input_ids_list)}
 
-    # One shared-memory file per sequence: [layers, tokens, hidden], written in place by the
-    # worker, mapped here, unlinked as soon as both sides hold their mapping.
-    base = os.path.join(shm_dir(), f"speculators_compat_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-    files = {rid: (f"{base}_{k}", lengths[rid]) for k, rid in enumerate(req_ids)}
-    buffers = {}
+    # Each sequence's [layers, tokens, hidden] block leases a segment of the exchange pool:
+    # shared memory mapped (and page-locked on GPUs) once by both sides, written in place by
+    # the worker, returned to the pool when the caller drops the result tensors (exchange.py).
+    pool = getattr(self, POOL_ATTR, None)
+    if pool is None:
+        pool = ExchangePool()
+        setattr(self, POOL_ATTR, pool)
+    timings = {}
+    mark = time.perf_counter()
+    row_bytes = len(layer_ids) * hidden * itemsize
+    placements, new_chunks, _dropped = pool.allocate({rid: lengths[rid] * row_bytes for rid in req_ids})
     try:
-        for rid, (path, n) in files.items():
-            _allocate(path, len(layer_ids) * n * hidden * itemsize)
-            buffers[rid] = torch.from_file(path, shared=True, size=len(layer_ids) * n * hidden, dtype=dtype).view(
-                len(layer_ids), n, hidden
-            )
         pin = os.environ.get("SPECULATORS_COMPAT_PIN", "1") != "0"
-        _rpc(self.executor, "begin", files, len(layer_ids), hidden, dtype_name, pin)
+        _rpc(
+            self.executor,
+            "begin",
+            {c.id: (c.path, c.size) for c in new_chunks},
+            sorted(pool.chunks),
+            {rid: (placements[rid][0], placements[rid][1], lengths[rid]) for rid in req_ids},
+            len(layer_ids),
+            hidden,
+            dtype_name,
+            pin,
+        )
+    except BaseException:
+        pool.release(placements)
+        raise
     finally:
-        for path, _ in files.values():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        pool.unlink(new_chunks)
+    timings["begin"] = time.perf_counter() - mark
 
+    handed = set()
+    try:
+        _add_requests(self, module, req_ids, input_ids_list)
+        mark = time.perf_counter()
+        computed, iterations = _drive(self.executor, self.scheduler, req_ids)
+        timings["steps"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        _rpc(self.executor, "finish")
+        timings["finish"] = time.perf_counter() - mark
+        log.debug(f"Extraction took {iterations} scheduler iterations in {timings['steps']:.3f}s")
+        short = [(rid, computed[rid], lengths[rid]) for rid in req_ids if computed[rid] != lengths[rid]]
+        if short:
+            raise ExtractionError(
+                f"{len(short)} sequence(s) not fully computed (request, computed, length): {short[:5]}\n[{_context()}]"
+            )
+        results = []
+        nlayers = len(layer_ids)
+        for rid, ids in zip(req_ids, input_ids_list):
+            n = lengths[rid]
+            view = pool.lease_view(placements[rid], n * row_bytes)
+            handed.add(rid)
+            buf = torch.frombuffer(view, dtype=dtype).view(nlayers, n, hidden)
+            results.append(
+                {
+                    "input_ids": torch.as_tensor(ids, dtype=torch.long),
+                    "hidden_states": [buf[k] for k in range(nlayers)],
+                    "loss_mask": None,
+                }
+            )
+    except BaseException:
+        pool.release({rid: p for rid, p in placements.items() if rid not in handed})
+        raise
+    timings["iterations"] = iterations
+    setattr(self, TIMINGS_ATTR, timings)
+    return results
+
+
+def _add_requests(self, module, req_ids, input_ids_list) -> None:
     Request = module.Request
     SamplingParams = module.SamplingParams
     block_hasher = getattr(self, "block_hasher", None)
@@ -197,10 +228,11 @@ def generate(self, token_ids):
         self.scheduler.add_request(Request(**kwargs))
     self._request_counter += 1
 
+
+def _drive(executor, scheduler, req_ids):
+    """Step the engine until every request finished: ({req_id: tokens computed}, steps)."""
     computed = dict.fromkeys(req_ids, 0)
-    executor, scheduler = self.executor, self.scheduler
     iterations = 0
-    started = time.perf_counter()
     while scheduler.has_unfinished_requests():
         so = scheduler.schedule()
         if so.total_num_scheduled_tokens == 0:
@@ -223,25 +255,7 @@ def generate(self, token_ids):
     if so.total_num_scheduled_tokens == 0 and getattr(so, "finished_req_ids", None):
         _rpc(executor, "step", {})
         _engine_step(executor, scheduler, so, "engine cleanup step")
-    _rpc(executor, "finish")
-    log.debug(f"Extraction took {iterations} scheduler iterations in {time.perf_counter() - started:.3f}s")
-
-    short = [(rid, computed[rid], lengths[rid]) for rid in req_ids if computed[rid] != lengths[rid]]
-    if short:
-        raise ExtractionError(
-            f"{len(short)} sequence(s) not fully computed (request, computed, length): {short[:5]}\n[{_context()}]"
-        )
-    results = []
-    for rid, ids in zip(req_ids, input_ids_list):
-        buf = buffers[rid]
-        results.append(
-            {
-                "input_ids": torch.as_tensor(ids, dtype=torch.long),
-                "hidden_states": [buf[k] for k in range(len(layer_ids))],
-                "loss_mask": None,
-            }
-        )
-    return results
+    return computed, iterations
 
 
 def _replace_generate(wrapped, instance, args, kwargs):

@@ -16,10 +16,11 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
   ``req_ids`` of the batch its ``prepare_inputs`` returns (read through an instance wrapper on
   this worker's runner only). Anything else is a clear error at setup.
 - Data path: instead of pickling every captured tensor through one RPC (measured: 1.7–2.0 s of
-  a 2.1 s batch on an H200), the driver maps one shared-memory buffer [layers, tokens, hidden]
-  per ``generate`` call; the worker copies each step's rows straight to their final place
-  (input order, one contiguous block per sequence and layer), from a side CUDA stream into
-  page-locked memory on GPUs. The RPCs carry only small metadata.
+  a 2.1 s batch on an H200), the driver leases one shared-memory block [layers, tokens, hidden]
+  per sequence from its exchange pool (``speculators_compat.exchange``); the worker maps each
+  pool chunk once (page-locked on GPUs) and copies each step's rows straight to their final
+  place (input order, one contiguous block per sequence and layer), from a side CUDA stream on
+  GPUs. The RPCs carry only small metadata.
 Speculators' own ``_reset_capture``/``_get_captured_states`` keep working (legacy path) when no
 shared buffer is active.
 """
@@ -52,6 +53,7 @@ class CaptureState:
         self.runner_kind = None
         self.last_v2_req_ids = None
         self.buffers = None  # req_id -> tensor [layers, tokens, hidden] in shared memory
+        self.chunks = {}  # exchange chunk id -> (uint8 tensor mapping it, page-locked?); kept across calls
         self.step = None  # req_id -> (num_tokens, num_computed_before)
         self.spans = None  # [(src_row, dst_row, n)] for the current step
         self.expected_rows = 0
@@ -123,10 +125,13 @@ class CaptureState:
                 buf[slot, d : d + n].copy_(stream[src : src + n])
 
     # -- RPC operations -------------------------------------------------------------------
-    def begin(self, files, layers, hidden, dtype_name, pin):
-        """Map the driver's per-sequence files: {req_id: (path, tokens)} -> [layers, tokens, hidden]."""
+    def begin(self, new_chunks, live_chunks, placements, layers, hidden, dtype_name, pin):
+        """Map the driver's new exchange chunks {id: (path, bytes)}, drop those no longer live,
+        and place each sequence: {req_id: (chunk id, byte offset, tokens)} -> [layers, tokens, hidden]."""
         import torch
 
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # copies of a call that failed may still be in flight
         self.end()
         # forwards outside a driver call (vLLM's warm-up dummy run) went to speculators' own
         # store: drop them, as speculators' _reset_capture does, so they hold no device memory
@@ -134,15 +139,25 @@ class CaptureState:
         self.legacy_step = {}
         if not self.capture:
             return {"rank_captures": False}
+        live = set(live_chunks)
+        for chunk_id in [c for c in self.chunks if c not in live]:
+            tensor, pinned = self.chunks.pop(chunk_id)
+            if pinned:
+                _host_unregister(tensor)
+        for chunk_id, (path, size) in new_chunks.items():
+            tensor = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            pinned = bool(pin) and torch.cuda.is_available() and _host_register(tensor)
+            self.chunks[chunk_id] = (tensor, pinned)
         dtype = getattr(torch, dtype_name)
-        self.buffers = {
-            req_id: torch.from_file(path, shared=True, size=layers * n * hidden, dtype=dtype).view(layers, n, hidden)
-            for req_id, (path, n) in files.items()
-        }
-        self.pinned = False
-        if pin and torch.cuda.is_available():
-            self.pinned = all(_host_register(b) for b in self.buffers.values())
-        return {"rank_captures": True, "pinned": self.pinned}
+        row_bytes = layers * hidden * torch.empty((), dtype=dtype).element_size()
+        buffers, pinned = {}, True
+        for req_id, (chunk_id, offset, n) in placements.items():
+            tensor, chunk_pinned = self.chunks[chunk_id]
+            pinned = pinned and chunk_pinned
+            buffers[req_id] = tensor[offset : offset + n * row_bytes].view(dtype).view(layers, n, hidden)
+        self.buffers = buffers
+        self.pinned = pinned
+        return {"rank_captures": True, "pinned": self.pinned, "chunks": len(self.chunks)}
 
     def set_step(self, step):
         self.step = step
@@ -160,9 +175,6 @@ class CaptureState:
         return True
 
     def end(self):
-        if self.buffers is not None and self.pinned:
-            for b in self.buffers.values():
-                _host_unregister(b)
         self.buffers = None
         self.step = None
         self.spans = None
@@ -219,10 +231,11 @@ def setup_hidden_states_capture(self, layer_ids):
     self._request_metadata = []
     self._current_request_metadata = None
     old = getattr(self, STATE_ATTR, None)
+    state = CaptureState(self, layer_ids)
     if old is not None:
         for h in old.handles:
             h.remove()
-    state = CaptureState(self, layer_ids)
+        state.chunks = old.chunks  # mapped (and page-locked) exchange memory stays with the worker
     runner = self.model_runner
     if hasattr(runner, "input_batch"):
         state.runner_kind = "v1"
