@@ -50,6 +50,13 @@ def _worker_rss_mb() -> list[float]:
     return out
 
 
+def _pool_stats(gen) -> dict | None:
+    pool = getattr(gen, "_speculators_compat_pool", None)
+    if pool is None:
+        return None
+    return {"capacity_bytes": pool.capacity, "peak_call_bytes": pool.peak_call_bytes, **pool.stats}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="llama")
@@ -115,13 +122,14 @@ def main() -> int:
         gen.generate(prompts)
         if llm is not None:
             llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
-        shim_s, native_s = [], []
+        shim_s, native_s, phases = [], [], []
         for _ in range(args.reps):
             if platform == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
             res = gen.generate(prompts)
             shim_s.append(time.perf_counter() - t)
+            phases.append(dict(getattr(gen, "_speculators_compat_timings", {}) or {}))
             assert len(res) == len(prompts) and res[0]["hidden_states"][0].shape[0] == plen
             del res
             if llm is not None:
@@ -134,6 +142,10 @@ def main() -> int:
             "tokens": tokens,
             "shim_tok_s": [tokens / s for s in shim_s],
             "shim_median_tok_s": tokens / statistics.median(shim_s),
+            "shim_phase_s": phases,
+            "shim_phase_median_s": {
+                k: statistics.median(p[k] for p in phases) for k in (phases[0] if phases else {}) if k != "iterations"
+            },
         }
         if native_s:
             row["native_tok_s"] = [tokens / s for s in native_s]
@@ -144,6 +156,7 @@ def main() -> int:
             row["ratio_max"] = max(ratios)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
+        print(json.dumps({"exchange_pool": _pool_stats(gen)}), flush=True)
 
     from speculators_compat.versions import installed_versions
 
@@ -155,6 +168,7 @@ def main() -> int:
         "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype, "captured": capture},
         "init_s": {"shim": init_shim, "native": init_native},
         "rows": rows,
+        "exchange_pool": _pool_stats(gen),
         "host_memory": {**_rss_mb(), "worker_rss_mb_now": _worker_rss_mb()},
         "attention_backend": os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"),
     }
