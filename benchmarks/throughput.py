@@ -69,6 +69,12 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--native-async-scheduling",
+        choices=["default", "off"],
+        default="default",
+        help="off: run vLLM's own engine without async scheduling, as the generator's engine runs",
+    )
     p.add_argument("--gpu-util", type=float, default=0.4, help="the generator's gpu_memory_utilization (GPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -104,6 +110,8 @@ def main() -> int:
             max_num_batched_tokens=max(8192, args.max_model_len),
             enable_prefix_caching=False,
         )
+        if args.native_async_scheduling == "off":
+            kw["async_scheduling"] = False
         if platform == "cuda":
             kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.3"))
             if os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"):
@@ -171,6 +179,7 @@ def main() -> int:
         "exchange_pool": _pool_stats(gen),
         "host_memory": {**_rss_mb(), "worker_rss_mb_now": _worker_rss_mb()},
         "attention_backend": os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"),
+        "native_async_scheduling": args.native_async_scheduling,
     }
     text = json.dumps(out, indent=2)
     if args.out:

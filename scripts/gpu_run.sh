@@ -10,7 +10,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "noasync" (native without async scheduling), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -62,6 +62,12 @@ if [[ " $STEPS " == *" bench "* ]]; then
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
+fi
+if [[ " $STEPS " == *" noasync "* ]]; then
+  echo "== throughput vs native without async scheduling (as the generator's engine runs)"
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+    --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --native-async-scheduling off \
+    --out "$OUT/throughput_h200_native_noasync.json" > "$OUT/throughput_h200_native_noasync.log" 2>&1; echo "bench noasync rc=$?"
 fi
 if [[ " $STEPS " == *" nopin "* ]]; then
   echo "== throughput with SPECULATORS_COMPAT_PIN=0 (pageable exchange buffers)"

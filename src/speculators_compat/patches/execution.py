@@ -95,15 +95,22 @@ def _rpc(executor, op, *args):
     return [r["value"] for r in replies]
 
 
-def _engine_step(executor, scheduler, so, what: str) -> None:
+def _engine_step(executor, scheduler, so, what: str, clock: dict) -> None:
     """One step as vLLM's EngineCore.step drives it: execute, sample where split, update."""
     try:
+        t0 = time.perf_counter()
         output = executor.execute_model(so)
+        t1 = time.perf_counter()
         if output is None and callable(getattr(executor, "sample_tokens", None)):
             output = executor.sample_tokens(None)  # 0.11.1+: execute_model defers sampling
+        t2 = time.perf_counter()
         scheduler.update_from_output(so, output)
+        t3 = time.perf_counter()
     except Exception as exc:  # noqa: BLE001
         _raise(what, exc)
+    clock["execute_model"] += t1 - t0
+    clock["sample_tokens"] += t2 - t1
+    clock["update_from_output"] += t3 - t2
 
 
 def _tokens_list(token_ids, torch):
@@ -177,7 +184,7 @@ def generate(self, token_ids):
     try:
         _add_requests(self, module, req_ids, input_ids_list)
         mark = time.perf_counter()
-        computed, iterations = _drive(self.executor, self.scheduler, req_ids)
+        computed, iterations = _drive(self.executor, self.scheduler, req_ids, timings)
         timings["steps"] = time.perf_counter() - mark
         mark = time.perf_counter()
         _rpc(self.executor, "finish")
@@ -229,12 +236,17 @@ def _add_requests(self, module, req_ids, input_ids_list) -> None:
     self._request_counter += 1
 
 
-def _drive(executor, scheduler, req_ids):
-    """Step the engine until every request finished: ({req_id: tokens computed}, steps)."""
+def _drive(executor, scheduler, req_ids, clock):
+    """Step the engine until every request finished: ({req_id: tokens computed}, steps).
+    Adds the seconds spent in each part of a step to ``clock``."""
     computed = dict.fromkeys(req_ids, 0)
     iterations = 0
+    for key in ("schedule", "step_rpc", "execute_model", "sample_tokens", "update_from_output"):
+        clock.setdefault(key, 0.0)
     while scheduler.has_unfinished_requests():
+        t0 = time.perf_counter()
         so = scheduler.schedule()
+        clock["schedule"] += time.perf_counter() - t0
         if so.total_num_scheduled_tokens == 0:
             raise ExtractionError(
                 f"the scheduler scheduled nothing with {scheduler.get_num_unfinished_requests()} request(s) "
@@ -246,15 +258,17 @@ def _drive(executor, scheduler, req_ids):
             if rid not in computed:
                 raise ExtractionError(f"the scheduler scheduled unknown request {rid!r}\n[{_context()}]")
             step[rid] = (n, computed[rid])
+        t0 = time.perf_counter()
         _rpc(executor, "step", step)
-        _engine_step(executor, scheduler, so, f"engine step {iterations}")
+        clock["step_rpc"] += time.perf_counter() - t0
+        _engine_step(executor, scheduler, so, f"engine step {iterations}", clock)
         for rid, (n, _) in step.items():
             computed[rid] += n
     # Deliver the finished request ids to the workers (V2 runners free slots on them).
     so = scheduler.schedule()
     if so.total_num_scheduled_tokens == 0 and getattr(so, "finished_req_ids", None):
         _rpc(executor, "step", {})
-        _engine_step(executor, scheduler, so, "engine cleanup step")
+        _engine_step(executor, scheduler, so, "engine cleanup step", clock)
     return computed, iterations
 
 
