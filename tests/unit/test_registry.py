@@ -648,3 +648,52 @@ def test_probe_saying_not_needed_skips_without_warning_even_in_strict_mode(fake_
     assert builds == []
     st = status(reg, "p1")
     assert (st.status, st.reason) == ("skipped", "not needed: the target already has it")
+
+
+def test_worker_health_names_a_killed_worker_process():
+    """execution.worker_health on real processes: a SIGKILLed one is named with its signal."""
+    import multiprocessing
+    import time
+    from types import SimpleNamespace
+
+    from speculators_compat.patches.execution import worker_health
+
+    ctx = multiprocessing.get_context("spawn")
+    alive = ctx.Process(target=time.sleep, args=(30,))
+    victim = ctx.Process(target=time.sleep, args=(30,))
+    alive.start()
+    victim.start()
+    try:
+        executor = SimpleNamespace(workers=[SimpleNamespace(proc=alive, rank=0), SimpleNamespace(proc=victim, rank=1)])
+        assert worker_health(executor) is None
+        victim.kill()
+        victim.join(10)
+        line = worker_health(executor)
+        assert line == f"vLLM worker process(es) dead: rank 1 (pid {victim.pid}) killed by SIGKILL"
+        assert worker_health(SimpleNamespace()) is None  # an executor without worker handles
+    finally:
+        alive.kill()
+        alive.join(10)
+
+
+@pytest.mark.parametrize(
+    "sequences, message",
+    [
+        ([[1, 2], []], r"^token_ids\[1\] is empty: every sequence needs at least one token$"),
+        ([[1, 2, 100]], r"^token_ids\[0\]\[2\] = 100 is outside the model's vocabulary \[0, 100\)$"),
+        ([[3, -1, 2]], r"^token_ids\[0\]\[1\] = -1 is outside the model's vocabulary \[0, 100\)$"),
+        ([[1, 2.5]], r"^token_ids\[0\] holds 2.5 \(float\): token ids must be integers$"),
+        ([[1, "a"]], r"^token_ids\[0\] holds 'a' \(str\): token ids must be integers$"),
+    ],
+)
+def test_bad_token_ids_are_one_line_value_errors(sequences, message):
+    from speculators_compat.patches.execution import _check_token_ids
+
+    with pytest.raises(ValueError, match=message):
+        _check_token_ids(sequences, 100)
+
+
+def test_good_token_ids_pass():
+    from speculators_compat.patches.execution import _check_token_ids
+
+    _check_token_ids([[0, 99], [5], [True]], 100)  # bool is an int; numpy ints are Integral too

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
+from numbers import Integral
 import time
 
 from ..exchange import ExchangePool
@@ -71,8 +72,39 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-def _raise(step: str, exc: BaseException):
-    raise ExtractionError(f"{step} failed: {describe_exception(exc)}\n[{_context()}]") from exc
+def worker_health(executor) -> str | None:
+    """A line naming every vLLM worker process that is no longer alive (and how it ended)."""
+    import signal
+
+    dead = []
+    for handle in getattr(executor, "workers", None) or []:
+        proc = getattr(handle, "proc", None)
+        if proc is None:
+            continue
+        try:
+            alive = proc.is_alive()
+            code = proc.exitcode
+        except Exception:  # noqa: BLE001 - a handle we cannot query says nothing
+            continue
+        if alive:
+            continue
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        dead.append(f"rank {getattr(handle, 'rank', '?')} (pid {getattr(proc, 'pid', '?')}) {how}")
+    if not dead:
+        return None
+    return "vLLM worker process(es) dead: " + "; ".join(dead)
+
+
+def _raise(step: str, exc: BaseException, executor=None):
+    health = worker_health(executor) if executor is not None else None
+    origin = f"\n{health}" if health else ""
+    raise ExtractionError(f"{step} failed: {describe_exception(exc)}{origin}\n[{_context()}]") from exc
 
 
 def rpc_timeout() -> float:
@@ -84,7 +116,7 @@ def _rpc(executor, op, *args):
     try:
         replies = executor.collective_rpc(RPC_NAME, args=(op, *args), timeout=rpc_timeout())
     except Exception as exc:  # noqa: BLE001
-        _raise(f"worker RPC {op}", exc)
+        _raise(f"worker RPC {op}", exc, executor)
     for rank, reply in enumerate(replies):
         if not reply.get("ok"):
             raise ExtractionError(
@@ -107,7 +139,7 @@ def _engine_step(executor, scheduler, so, what: str, clock: dict) -> None:
         scheduler.update_from_output(so, output)
         t3 = time.perf_counter()
     except Exception as exc:  # noqa: BLE001
-        _raise(what, exc)
+        _raise(what, exc, executor)
     clock["execute_model"] += t1 - t0
     clock["sample_tokens"] += t2 - t1
     clock["update_from_output"] += t3 - t2
@@ -121,6 +153,28 @@ def _tokens_list(token_ids, torch):
     return [ids.tolist() if isinstance(ids, torch.Tensor) else list(ids) for ids in token_ids]
 
 
+def _check_token_ids(sequences, vocab_size: int) -> None:
+    """One-line ValueError for input the engine would fail on later (or, on a GPU, take down
+    the worker with a device-side assert): an empty sequence, a non-integer or out-of-vocabulary
+    token id. Nothing has been scheduled yet, so the generator stays usable."""
+    for i, ids in enumerate(sequences):
+        if len(ids) == 0:
+            raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
+        try:
+            low, high = min(ids), max(ids)
+        except TypeError:
+            bad = next(t for t in ids if not isinstance(t, Integral))
+            raise ValueError(f"token_ids[{i}] holds {bad!r} ({type(bad).__name__}): token ids must be integers") from None
+        if not isinstance(low, Integral) or not isinstance(high, Integral):
+            bad = low if not isinstance(low, Integral) else high
+            raise ValueError(f"token_ids[{i}] holds {bad!r} ({type(bad).__name__}): token ids must be integers")
+        if low < 0 or high >= vocab_size:
+            pos = ids.index(low if low < 0 else high)
+            raise ValueError(
+                f"token_ids[{i}][{pos}] = {ids[pos]} is outside the model's vocabulary [0, {vocab_size})"
+            )
+
+
 def generate(self, token_ids):
     """Extract hidden states from the prefill of each sequence (speculators' contract)."""
     import torch
@@ -130,9 +184,7 @@ def generate(self, token_ids):
     input_ids_list = _tokens_list(token_ids, torch)
     log.debug(f"Generating hidden states for {len(input_ids_list)} sequences")
     max_len = self.vllm_config.model_config.max_model_len - module.MAX_DECODE_TOKENS
-    for i, ids in enumerate(input_ids_list):
-        if len(ids) == 0:
-            raise ValueError(f"token_ids[{i}] is empty: every sequence needs at least one token")
+    _check_token_ids(input_ids_list, self.vllm_config.model_config.get_vocab_size())
     original_lengths = [len(ids) for ids in input_ids_list]
     input_ids_list = [ids[:max_len] for ids in input_ids_list]
     truncated = [i for i, n in enumerate(original_lengths) if n > max_len]
