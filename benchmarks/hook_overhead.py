@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -75,36 +76,41 @@ def main() -> int:
     def noop_hook(module, inputs, output):
         return None
 
-    def timed(fn) -> float:
-        samples = []
-        for _ in range(args.reps):
-            t = time.perf_counter_ns()
-            for _ in range(args.calls):
-                fn()
-            samples.append((time.perf_counter_ns() - t) / args.calls)
-        return statistics.median(samples)
+    def once(fn) -> float:
+        t = time.perf_counter_ns()
+        for _ in range(args.calls):
+            fn()
+        return (time.perf_counter_ns() - t) / args.calls
 
     def call():
         layer(positions, hidden, residual)
 
-    results = {}
-    results["a_direct_ns"] = timed(call)
-    h = layer.register_forward_hook(noop_hook)
-    results["b_noop_hook_ns"] = timed(call)
-    h.remove()
+    out = (hidden, residual)
+    variants = {
+        "a_direct_ns": (None, call),
+        "b_noop_hook_ns": (noop_hook, call),
+        "d_shim_hook_capturing_ns": (shim_hook, call),
+        "e_adapter_residual_stream_ns": (None, lambda: adapter.residual_stream(out)),
+        "e_inline_add_ns": (None, lambda: hidden + residual),
+    }
     h = layer.register_forward_hook(shim_hook)
-    call()  # first call checks the output's shape once
-    results["d_shim_hook_capturing_ns"] = timed(call)
+    call()  # the first captured call checks the output's shape once
     h.remove()
+    samples = {k: [] for k in variants}
+    # interleaved: every repetition times every variant, so machine load hits them alike
+    for _ in range(args.reps):
+        for name, (hook, fn) in variants.items():
+            h = layer.register_forward_hook(hook) if hook else None
+            samples[name].append(once(fn))
+            if h:
+                h.remove()
+    results = {k: statistics.median(v) for k, v in samples.items()}
     if not torch.equal(buf[0], hidden + residual):
         raise SystemExit("the shim's hook did not capture hidden + residual")
-    out = (hidden, residual)
-    results["e_adapter_residual_stream_ns"] = timed(lambda: adapter.residual_stream(out))
-    results["e_inline_add_ns"] = timed(lambda: hidden + residual)
-    results["copy_rows_ns"] = timed(lambda: buf[0, 0 : args.tokens].copy_(hidden))
     results["added_by_dispatch_ns"] = results["b_noop_hook_ns"] - results["a_direct_ns"]
     results["added_by_shim_hook_ns"] = results["d_shim_hook_capturing_ns"] - results["a_direct_ns"]
     results["added_by_adapter_ns"] = results["e_adapter_residual_stream_ns"] - results["e_inline_add_ns"]
+    results["spread_ns"] = {k: [round(min(v), 1), round(max(v), 1)] for k, v in samples.items()}
     out = {
         "command": " ".join(sys.argv),
         "python": sys.version.split()[0],
@@ -114,7 +120,8 @@ def main() -> int:
         "hidden": args.hidden,
         "calls_per_rep": args.calls,
         "reps": args.reps,
-        "results_ns_per_call": {k: round(v, 1) for k, v in results.items()},
+        "results_ns_per_call": {k: (round(v, 1) if isinstance(v, float) else v) for k, v in results.items()},
+        "load_average": list(os.getloadavg()),
     }
     text = json.dumps(out, indent=2)
     if args.out:

@@ -14,19 +14,26 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm")
 pytest.importorskip("speculators")
 
-BOUND_S = 60
+BOUND_S = 30
 
 
-def test_worker_killed_mid_extraction(tmp_path):
-    out = tmp_path / "fault.json"
+def _fault(tmp_path, fault: str) -> dict:
+    out = tmp_path / f"fault-{fault}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "speculators_compat.testing.fault_runner", "--out", str(out), "--timeout", str(BOUND_S)],
+        [
+            sys.executable, "-m", "speculators_compat.testing.fault_runner",
+            "--out", str(out), "--timeout", str(BOUND_S), "--fault", fault,
+        ],
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert out.exists(), f"fault runner wrote no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_worker_killed_mid_extraction(tmp_path):
+    r = _fault(tmp_path, "kill")
     assert r["warm_call_ok"]
     for name, err in r["bad_input"].items():
         assert err is not None, f"{name}: generate() accepted it"
@@ -42,4 +49,19 @@ def test_worker_killed_mid_extraction(tmp_path):
     assert "speculators-compat" in err["message"], err["message"]
     assert r["seconds_to_error"] < BOUND_S + 30, r["seconds_to_error"]
     assert r["workers_alive_after_error"] == [], r["workers_alive_after_error"]
+    assert r["orphans_after_shutdown"] == [], r["orphans_after_shutdown"]
+
+
+def test_worker_stuck_mid_extraction(tmp_path):
+    """SIGSTOPped workers (a hang, not a death): generate() fails within the bound, and shutdown
+    leaves no process behind."""
+    r = _fault(tmp_path, "stop")
+    assert r["killed"], "no worker process was found to stop"
+    err = r["error"]
+    assert err is not None, "generate() returned although its worker was stopped"
+    assert err["type"] == "ExtractionError", err
+    assert "engine step 2 failed" in err["message"] or "worker RPC" in err["message"], err["message"]
+    assert "speculators-compat" in err["message"], err["message"]
+    assert "is stopped" in err["message"], err["message"]
+    assert BOUND_S - 5 <= r["seconds_to_error"] < 2 * BOUND_S + 30, r["seconds_to_error"]
     assert r["orphans_after_shutdown"] == [], r["orphans_after_shutdown"]

@@ -653,6 +653,8 @@ def test_probe_saying_not_needed_skips_without_warning_even_in_strict_mode(fake_
 def test_worker_health_names_a_killed_worker_process():
     """execution.worker_health on real processes: a SIGKILLed one is named with its signal."""
     import multiprocessing
+    import os
+    import signal
     import time
     from types import SimpleNamespace
 
@@ -669,7 +671,15 @@ def test_worker_health_names_a_killed_worker_process():
         victim.kill()
         victim.join(10)
         line = worker_health(executor)
-        assert line == f"vLLM worker process(es) dead: rank 1 (pid {victim.pid}) killed by SIGKILL"
+        assert line == f"vLLM worker process(es) not running: rank 1 (pid {victim.pid}) killed by SIGKILL"
+        os.kill(alive.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while "stopped" not in (worker_health(executor) or "") and time.time() < deadline:
+            time.sleep(0.05)
+        assert worker_health(executor) == (
+            f"vLLM worker process(es) not running: rank 0 (pid {alive.pid}) is stopped (SIGSTOP / traced); "
+            f"rank 1 (pid {victim.pid}) killed by SIGKILL"
+        )
         assert worker_health(SimpleNamespace()) is None  # an executor without worker handles
     finally:
         alive.kill()
@@ -697,3 +707,33 @@ def test_good_token_ids_pass():
     from speculators_compat.patches.execution import _check_token_ids
 
     _check_token_ids([[0, 99], [5], [True]], 100)  # bool is an int; numpy ints are Integral too
+
+
+def test_an_empty_assertion_is_described_by_where_it_was_raised():
+    """The seeds' 'ERROR in batch 0-4:' came from vLLM's block pool asserting without a message."""
+    from speculators_compat.patches.execution import describe_exception
+
+    def block_pool_check(hashes, full_blocks):
+        if len(hashes) < full_blocks:  # what a bare `assert` raises (pytest rewrites asserts here)
+            raise AssertionError()
+
+    try:
+        block_pool_check([], 2)
+    except AssertionError as exc:
+        text = describe_exception(exc)
+    assert text.startswith("AssertionError: (no message) raised at ")
+    assert text.endswith("in block_pool_check: raise AssertionError()"), text
+    assert "test_registry.py:" in text
+    assert describe_exception(ValueError("bad")) == "ValueError: bad"
+
+
+def test_worker_rpc_errors_come_back_as_values_with_their_traceback():
+    from types import SimpleNamespace
+
+    from speculators_compat.patches.worker_capture import compat_rpc
+
+    reply = compat_rpc(SimpleNamespace(), "step", {})
+    assert reply["ok"] is False
+    assert reply["type"] == "RuntimeError"
+    assert reply["message"] == "capture not set up: call _setup_hidden_states_capture first"
+    assert "Traceback" in reply["traceback"] and reply["pid"] > 0

@@ -73,7 +73,7 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def worker_health(executor) -> str | None:
-    """A line naming every vLLM worker process that is no longer alive (and how it ended)."""
+    """A line naming every vLLM worker process that is dead (and how it ended) or stopped."""
     import signal
 
     dead = []
@@ -87,6 +87,8 @@ def worker_health(executor) -> str | None:
         except Exception:  # noqa: BLE001 - a handle we cannot query says nothing
             continue
         if alive:
+            if _proc_state(getattr(proc, "pid", None)) in ("T", "t"):
+                dead.append(f"rank {getattr(handle, 'rank', '?')} (pid {proc.pid}) is stopped (SIGSTOP / traced)")
             continue
         if code is not None and code < 0:
             try:
@@ -98,7 +100,15 @@ def worker_health(executor) -> str | None:
         dead.append(f"rank {getattr(handle, 'rank', '?')} (pid {getattr(proc, 'pid', '?')}) {how}")
     if not dead:
         return None
-    return "vLLM worker process(es) dead: " + "; ".join(dead)
+    return "vLLM worker process(es) not running: " + "; ".join(dead)
+
+
+def _proc_state(pid) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError, TypeError):
+        return None
 
 
 def _raise(step: str, exc: BaseException, executor=None):

@@ -125,6 +125,9 @@ def run(args, progress=None) -> dict:
         kwargs = {"layer_ids": layer_ids, "max_model_len": args.max_model_len}
         if args.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.tensor_parallel_size != 1:
+            kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+        result["tensor_parallel_size"] = args.tensor_parallel_size
         generator = VllmHiddenStatesGenerator(str(model_dir), **kwargs)
         result["init_s"] = time.perf_counter() - t0
         rng = random.Random(args.seed)
@@ -220,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="the generator's own TP path (capture on TP rank 0)"
+    )
     parser.add_argument("--platform", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

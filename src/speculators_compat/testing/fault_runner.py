@@ -1,11 +1,12 @@
-"""Fault injection on the real generator: bad input, and a vLLM worker killed mid-``generate``.
+"""Fault injection on the real generator: bad input, and a vLLM worker killed or stuck mid-``generate``.
 
-    python -m speculators_compat.testing.fault_runner --out result.json [--timeout 60]
+    python -m speculators_compat.testing.fault_runner --out result.json [--fault kill|stop] [--timeout 60]
 
 Builds the tiny Llama, starts speculators' ``VllmHiddenStatesGenerator`` on the installed vLLM,
 runs one good call, then bad inputs (each must be a one-line ValueError, and the next good call
-must give identical states), then starts a call whose batch needs several scheduler steps and SIGKILLs
-every vLLM worker process just before the engine's second step. Nothing of vLLM or speculators
+must give identical states), then starts a call whose batch needs several scheduler steps and
+SIGKILLs (dead worker) or SIGSTOPs (stuck worker) every vLLM worker process just before the
+engine's second step. Nothing of vLLM or speculators
 is replaced: the fault is a real dead process. Records what the caller sees (exception type,
 message, seconds until it surfaced, against ``SPECULATORS_COMPAT_RPC_TIMEOUT``) and which of this
 process's descendants are still alive right after the error and after the executor's shutdown
@@ -69,12 +70,18 @@ def orphans() -> list[dict]:
 def run(args) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["SPECULATORS_COMPAT_RPC_TIMEOUT"] = str(args.timeout)
+    # engine steps are bounded by vLLM's own execute_model timeout (default 300 s)
+    os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(int(args.timeout))
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[args.fault]
     import speculators_compat
     from speculators_compat.testing import tiny_models
 
     for key, value in tiny_models.vllm_env("llama", "cpu").items():
         os.environ.setdefault(key, value)
-    result: dict = {"rpc_timeout_s": args.timeout, "fault": "SIGKILL every vLLM worker before engine step 2"}
+    result: dict = {
+        "rpc_timeout_s": args.timeout,
+        "fault": f"{sig.name} every vLLM worker before engine step 2",
+    }
     model_dir = tiny_models.build_tiny_model("llama", num_layers=4, hidden_size=128)
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
@@ -119,7 +126,7 @@ def run(args) -> dict:
             for d in descendants():
                 if d["pid"] in workers:
                     try:
-                        os.kill(d["pid"], signal.SIGKILL)
+                        os.kill(d["pid"], sig)
                     except ProcessLookupError:
                         pass
             result["killed"] = workers
@@ -161,7 +168,13 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--timeout", type=float, default=60.0, help="SPECULATORS_COMPAT_RPC_TIMEOUT for this run")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="SPECULATORS_COMPAT_RPC_TIMEOUT and VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for this run",
+    )
+    p.add_argument("--fault", choices=("kill", "stop"), default="kill", help="SIGKILL (dead) or SIGSTOP (stuck) the workers")
     args = p.parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
