@@ -209,6 +209,12 @@ class ExchangePool:
         weakref.finalize(view, self._released.append, (chunk_id, off, reserved))
         return view
 
+    def forget(self, chunks: list[Chunk]) -> None:
+        """Drop idle chunks from the pool (the workers drop them at the next call)."""
+        for chunk in chunks:
+            if chunk.idle:
+                self.chunks.pop(chunk.id, None)
+
     @staticmethod
     def unlink(chunks: list[Chunk]) -> None:
         for chunk in chunks:

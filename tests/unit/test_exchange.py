@@ -124,3 +124,14 @@ def test_shm_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECULATORS_COMPAT_SHM_DIR", str(tmp_path))
     assert exchange.shm_dir() == str(tmp_path)
     assert ExchangePool().directory == str(tmp_path)
+
+
+def test_chunks_of_a_failed_begin_are_forgotten(pool):
+    p, new, _ = pool.allocate({"a": 5000})
+    pool.release(p)
+    pool.forget(new)
+    pool.unlink(new)
+    assert pool.chunks == {}
+    p2, new2, _ = pool.allocate({"a": 5000})
+    assert len(new2) == 1 and new2[0].id != new[0].id  # ids are never reused
+    pool.unlink(new2)

@@ -237,6 +237,7 @@ def generate(self, token_ids):
         )
     except BaseException:
         pool.release(placements)
+        pool.forget(new_chunks)  # a worker may not have mapped them: never place rows there
         raise
     finally:
         pool.unlink(new_chunks)
