@@ -80,7 +80,7 @@ def test_build_is_deterministic_and_cached(arch, tmp_path):
 def test_hook_reference_matches_output_hidden_states(arch, model_root):
     d = build_tiny_model(arch, model_root)
     model = load_hf_model(d, "float32")
-    cfg = model.config
+    cfg = getattr(model.config, "text_config", None) or model.config  # multimodal: the text decoder's
     assert cfg.max_position_embeddings >= 4096
     assert 1000 <= cfg.vocab_size <= 2000
     n = len(decoder_layers(model))
@@ -114,6 +114,25 @@ def test_tokenizer_round_trip(model_root):
     assert tok.eos_token_id == 2
     assert tok.decode(ids, skip_special_tokens=True) == "hello world the quick brown fox"
     assert len(tok) == 1024
+
+
+def test_llava_is_a_multimodal_wrapper(model_root):
+    """llava: a CLIP tower + projector around a Llama decoder; <image> is the last id (the e2e
+    runner's random prompts stay below 1000); the processor vLLM profiles with loads."""
+    import json
+
+    d = build_tiny_model("llava", model_root)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["LlavaForConditionalGeneration"]
+    assert cfg["text_config"]["model_type"] == "llama" and cfg["image_token_index"] == 1023
+    assert cfg["vision_config"]["image_size"] // cfg["vision_config"]["patch_size"] == 2
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    assert len(tok) == 1024 and tok.convert_tokens_to_ids("<image>") == 1023
+    processor = transformers.AutoProcessor.from_pretrained(str(d))
+    assert type(processor).__name__ == "LlavaProcessor"
+    # the text-only tokenizer of the other archs is unchanged by the image token
+    plain = transformers.AutoTokenizer.from_pretrained(str(build_tiny_model("llama", model_root)))
+    assert "<image>" not in plain.get_vocab()
 
 
 def test_deepseek_routing_knobs(model_root):

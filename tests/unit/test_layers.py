@@ -217,3 +217,24 @@ def test_no_decoder_stack_is_a_clear_error():
 def test_layers_without_len_are_not_taken():
     with pytest.raises(UnknownLayerError):
         find_decoder_stack(Obj(model=Obj(layers=object())))
+
+
+def test_language_model_wins_over_a_model_attribute_holding_another_stack():
+    """vLLM 0.32's LlavaForConditionalGeneration layout (the e2e llava cell): the wrapper holds a
+    vision tower with its own encoder layers, and get_language_model() returns the text CausalLM.
+    A wrapper whose ``.model`` is some other stack (speculators 0.3.0 takes ``model.model``)
+    must still resolve to the text decoder."""
+    text_layers = ["t0", "t1", "t2", "t3"]
+    text_model = Obj(layers=text_layers)
+    vision = Obj(vision_model=Obj(encoder=Obj(layers=["v0"])))
+
+    class Llava:
+        vision_tower = vision
+        language_model = Obj(model=text_model)
+        model = Obj(layers=["v0"])  # a decoy that taking `model.model` would capture
+
+        def get_language_model(self):
+            return self.language_model
+
+    inner, layers = find_decoder_stack(Llava())
+    assert inner is text_model and layers is text_layers

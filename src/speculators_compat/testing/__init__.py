@@ -16,6 +16,7 @@ from .reference import (
 from .tiny_models import (
     ARCHITECTURES,
     MOE_ARCHITECTURES,
+    MULTIMODAL_ARCHITECTURES,
     build_tiny_model,
     default_cache_root,
     tiny_config_kwargs,
@@ -27,6 +28,7 @@ from .tiny_models import (
 __all__ = [
     "ARCHITECTURES",
     "MOE_ARCHITECTURES",
+    "MULTIMODAL_ARCHITECTURES",
     "TOLERANCE",
     "CompareReport",
     "build_tiny_model",

@@ -69,7 +69,14 @@ def load_hf_model(model_dir: str | Path, dtype: Any = "float32", device: str = "
         kwargs["dtype"] = td
     else:
         kwargs["torch_dtype"] = td
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    except ValueError:
+        # multimodal wrappers (llava, ...) are not causal-LM auto classes; text-only input ids
+        # run their text decoder, whose layers decoder_layers() finds
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
     model.to(device)
     model.eval()
     return model

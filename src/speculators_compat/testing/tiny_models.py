@@ -24,6 +24,7 @@ __all__ = [
     "ARCHITECTURES",
     "FACTORY_VERSION",
     "MOE_ARCHITECTURES",
+    "MULTIMODAL_ARCHITECTURES",
     "VOCAB_SIZE",
     "build_tiny_model",
     "default_cache_root",
@@ -42,7 +43,12 @@ ARCHITECTURES: tuple[str, ...] = (
     "gpt_oss",
     "mistral",
     "gemma3",
+    "llava",
 )
+
+# Multimodal wrappers (a vision tower + projector around a text decoder). Prompts are text-only
+# token ids (what speculators feeds), so the captured layers are the text decoder's.
+MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava",)
 
 # Mixture-of-experts archs: in bf16/fp16 a few tokens flip near-tied expert choices, so
 # captures differ from an HF reference by more than rounding (see reference.compare's
@@ -83,6 +89,7 @@ _MODEL_TYPE = {
     "gpt_oss": "gpt_oss",
     "mistral": "mistral",
     "gemma3": "gemma3_text",
+    "llava": "llava",
 }
 
 _ARCH_CLASS = {
@@ -94,7 +101,14 @@ _ARCH_CLASS = {
     "gpt_oss": "GptOssForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
+
+# llava: a tiny CLIP vision tower (vLLM profiles the encoder at start with a dummy image).
+# 32 px / patch 16 = 4 patches (+ CLS, dropped by the "default" feature strategy) = 4 image tokens.
+_LLAVA_IMAGE_SIZE = 32
+_LLAVA_PATCH = 16
+_IMAGE_TOKEN = "<image>"  # the last id of the vocabulary (the e2e runner draws ids < 1000)
 
 
 def _alternating(n: int, first: str, second: str) -> list[str]:
@@ -130,6 +144,35 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
     )
     if arch == "llama":
         common.update(head_dim=head_dim, rope_theta=10000.0)
+    elif arch == "llava":
+        text = dict(common, model_type="llama", head_dim=head_dim, rope_theta=10000.0)
+        text.pop("architectures")
+        return dict(
+            text_config=text,
+            vision_config=dict(
+                model_type="clip_vision_model",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=_LLAVA_IMAGE_SIZE,
+                patch_size=_LLAVA_PATCH,
+                num_channels=3,
+                projection_dim=64,
+                hidden_act="quick_gelu",
+                layer_norm_eps=1e-5,
+            ),
+            image_token_index=VOCAB_SIZE - 1,
+            image_seq_length=(_LLAVA_IMAGE_SIZE // _LLAVA_PATCH) ** 2,
+            projector_hidden_act="gelu",
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            architectures=[_ARCH_CLASS[arch]],
+        )
     elif arch == "mistral":
         common.update(head_dim=head_dim, rope_theta=10000.0, sliding_window=None)
     elif arch == "qwen2":
@@ -233,7 +276,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _build_tokenizer(vocab_size: int):
+def _build_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -248,10 +291,16 @@ def _build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    # Pad to exactly vocab_size so every id the model can emit decodes.
+    # Pad to exactly vocab_size so every id the model can emit decodes; extra_special
+    # (e.g. llava's "<image>") take the last ids.
     n = tok.get_vocab_size()
-    if n < vocab_size:
-        tok.add_special_tokens([f"<extra_{i}>" for i in range(vocab_size - n)])
+    target = vocab_size - len(extra_special)
+    if n > target:
+        raise ValueError(f"BPE vocabulary ({n}) leaves no room for {extra_special}")
+    if n < target:
+        tok.add_special_tokens([f"<extra_{i}>" for i in range(target - n)])
+    if extra_special:
+        tok.add_special_tokens(list(extra_special))
     assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
     # Prepend BOS like Llama-style tokenizers do.
     tok.post_processor = processors.TemplateProcessing(
@@ -326,11 +375,23 @@ def _reinit_checkpoint(directory: Path, arch: str) -> None:
             metadata = f.metadata() or {}
             for key in sorted(f.keys()):
                 t = f.get_tensor(key)
+                key = _checkpoint_key(arch, key)
                 new = torch.empty(t.shape, dtype=torch.float32)
                 _init_tensor(key, new, arch)
                 tensors[key] = new.to(t.dtype).contiguous()
         metadata = {"format": metadata.get("format", "pt")}
         save_file(tensors, str(path), metadata=metadata)
+
+
+def _checkpoint_key(arch: str, key: str) -> str:
+    """The name a tensor is saved under: the released checkpoints' layout.
+
+    transformers 5 saves llava's CLIP tower as ``vision_tower.embeddings...``; released llava
+    checkpoints (and vLLM's loader, and transformers 4 and 5 when loading) use
+    ``vision_tower.vision_model.embeddings...``."""
+    if arch == "llava" and key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
+        return "vision_tower.vision_model." + key[len("vision_tower."):]
+    return key
 
 
 def _make_config(arch: str, kwargs: dict):
@@ -345,6 +406,40 @@ def _make_config(arch: str, kwargs: dict):
         if not hasattr(cfg, k):
             setattr(cfg, k, v)
     return cfg
+
+
+def _model_class(arch: str):
+    """The transformers auto class that builds ``arch`` from its config."""
+    if arch in MULTIMODAL_ARCHITECTURES:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def _save_processor(arch: str, directory: Path) -> None:
+    """Tokenizer (with the image token), image processor and processor of a multimodal arch."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    tok = _build_tokenizer(VOCAB_SIZE, extra_special=(_IMAGE_TOKEN,))
+    assert tok.convert_tokens_to_ids(_IMAGE_TOKEN) == VOCAB_SIZE - 1
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": _LLAVA_IMAGE_SIZE},
+        crop_size={"height": _LLAVA_IMAGE_SIZE, "width": _LLAVA_IMAGE_SIZE},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=_LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS
+        image_token=_IMAGE_TOKEN,
+        chat_template=tok.chat_template,
+    )
+    processor.save_pretrained(directory)
+    tok.save_pretrained(directory)
 
 
 def _transformers_major() -> int:
@@ -402,7 +497,6 @@ def build_tiny_model(
         return final
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     root.mkdir(parents=True, exist_ok=True)
     kwargs = tiny_config_kwargs(arch, num_layers=num_layers, hidden_size=hidden_size)
@@ -416,7 +510,7 @@ def build_tiny_model(
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(SEED)
-                model = AutoModelForCausalLM.from_config(cfg)
+                model = _model_class(arch).from_config(cfg)
         finally:
             torch.set_default_dtype(prev)
         model.eval()
@@ -424,8 +518,11 @@ def build_tiny_model(
             model = model.to(getattr(torch, dtype))
         model.save_pretrained(tmp, safe_serialization=True)
         _reinit_checkpoint(tmp, arch)
-        tok = _build_tokenizer(cfg.vocab_size)
-        tok.save_pretrained(tmp)
+        if arch in MULTIMODAL_ARCHITECTURES:
+            _save_processor(arch, tmp)
+        else:
+            tok = _build_tokenizer(cfg.vocab_size)
+            tok.save_pretrained(tmp)
         (tmp / "speculators_compat_tiny.json").write_text(
             json.dumps(
                 {"arch": arch, "factory_version": FACTORY_VERSION, "key": key,
