@@ -181,6 +181,18 @@ CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
 ]
 
 
+def _import_finding(module: str, exc: BaseException) -> Finding:
+    """speculators' generator/worker module failed to import.  When the failing import is a vLLM
+    name (``from vllm.x import y`` / ``import vllm.x`` — the commonest way a release moves an
+    internal), that is drift at an import site, not an unusable environment: the call-site probes
+    still run and name it.  Anything else (transformers, torch, a syntax error) cannot be checked."""
+    detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    if missing and missing.split(".")[0] == "vllm":
+        return Finding("import", module, "drift", f"expected {module} to import from vLLM; {detail}")
+    return Finding("import", module, "error", detail)
+
+
 def run_check() -> tuple[int, dict]:
     import speculators_compat
     from .matrix import MatrixError
@@ -205,13 +217,16 @@ def run_check() -> tuple[int, dict]:
     if na:
         findings.append(Finding("versions", "speculators", "error", f"not applicable: {na}"))
         return EXIT_CANNOT, out
-    for module in ("vllm", GENERATOR, WORKER):
+    try:
+        __import__("vllm")
+    except Exception as exc:  # noqa: BLE001
+        findings.append(Finding("import", "vllm", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+        return EXIT_CANNOT, out
+    for module in (GENERATOR, WORKER):
         try:
             __import__(module)
         except Exception as exc:  # noqa: BLE001
-            findings.append(Finding("import", module, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
-    if findings:
-        return EXIT_CANNOT, out
+            findings.append(_import_finding(module, exc))
     for name, probe in CALL_SITES:
         try:
             problem = probe()
@@ -236,6 +251,8 @@ def run_check() -> tuple[int, dict]:
         )
     )
     out["seconds"] = time.perf_counter() - started
+    if any(f.status == "error" for f in findings):
+        return EXIT_CANNOT, out
     if any(f.status == "drift" for f in findings):
         return EXIT_DRIFT, out
     return (EXIT_SUPPORTED if verified and not broken else EXIT_UNTESTED), out
@@ -294,7 +311,8 @@ def cmd_check(args) -> int:
         if f.status == "ok" and not args.verbose:
             continue
         mark = {"ok": "ok", "drift": "DRIFT", "error": "ERROR", "skipped": "skip", "untested": "untested"}[f.status]
-        print(f"  [{mark:<8}] {f.kind:<9} {f.name}" + (f"\n             {f.detail}" if f.detail and f.status != "ok" else ""))
+        detail = f.detail if args.verbose or "\n" not in f.detail else f.detail.splitlines()[0] + "  (-v: traceback)"
+        print(f"  [{mark:<8}] {f.kind:<9} {f.name}" + (f"\n             {detail}" if f.detail and f.status != "ok" else ""))
     ok = sum(f.status == "ok" for f in out["findings"])
     print(f"{ok} checks ok; verdict: {EXIT_WORDS[code]} (exit {code})")
     return code

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     chk = sub.add_parser("check", help="probe the installed vLLM/speculators (no model): exit 0 supported, 1 untested, 2 drift, 3 cannot check")
     chk.add_argument("--json", action="store_true")
     chk.add_argument("--junit", default=None, metavar="PATH", help="also write a JUnit XML report")
-    chk.add_argument("--verbose", "-v", action="store_true", help="list passing checks too")
+    chk.add_argument("--verbose", "-v", action="store_true", help="list passing checks too, and tracebacks in full")
     demo = sub.add_parser("demo", help="tiny model through speculators' generator, compared with HF")
     demo.add_argument("--arch", default="llama")
     demo.add_argument("--layers", default=None, help="comma-separated layer ids (default: speculators' choice)")

@@ -56,3 +56,24 @@ def test_check_reports_a_resigned_internal_as_drift(monkeypatch):
     site = next(f for f in out["findings"] if f.name.startswith("G: kv_cache_utils.get_kv_cache_config_from_groups"))
     assert site.status == "drift"
     assert "kv_cache_groups" in site.detail and "available_memory" in site.detail
+
+
+def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
+    """A release that removes a name speculators' generator imports breaks the import itself: that
+    is drift (exit 2) naming the call site, not 'cannot check' (measured on vLLM 0.10.2, which
+    lacks kv_cache_utils._get_kv_cache_groups_uniform_spec)."""
+    import sys
+
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    from speculators_compat.check import EXIT_DRIFT, run_check
+
+    monkeypatch.delattr(kcu, "_get_kv_cache_groups_uniform_spec")
+    for name in [m for m in sys.modules if m == "speculators.data_generation" or m.startswith("speculators.data_generation.")]:
+        monkeypatch.delitem(sys.modules, name)
+    code, out = run_check()
+    assert code == EXIT_DRIFT
+    imports = [f for f in out["findings"] if f.kind == "import"]
+    assert imports and all(f.status == "drift" and "_get_kv_cache_groups_uniform_spec" in f.detail for f in imports)
+    site = next(f for f in out["findings"] if f.name == "G: kv_cache_utils._get_kv_cache_groups_uniform_spec")
+    assert site.status == "drift" and "not found" in site.detail
