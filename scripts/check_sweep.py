@@ -17,6 +17,7 @@ probe with what it expected and what it found.
 Usage::
 
     python3 scripts/check_sweep.py                      # every complete env
+    python3 scripts/check_sweep.py --min-vllm 0.11.0 --max-vllm 0.32.0 --commit c3e5a2c
     python3 scripts/check_sweep.py spec-0.3.0_vllm-0.16.0 .bed/envs/spec-0.4.0.1_vllm-0.32.0
     python3 scripts/check_sweep.py --missing            # only envs without a result yet
     python3 scripts/check_sweep.py --summary-only       # rewrite SUMMARY.md from the JSONs
@@ -49,7 +50,7 @@ EXIT_MEANING = {
     2: "DRIFT (a probe fails)",
     3: "cannot check (not installed / import error)",
 }
-SWEEP_COMMAND = "python3 scripts/check_sweep.py [--missing]"
+SWEEP_COMMAND = "python3 scripts/check_sweep.py --min-vllm 0.11.0 --max-vllm 0.32.0 --commit C"
 SHORT = {0: "supported", 1: "untested", 2: "DRIFT", 3: "cannot check"}
 
 
@@ -286,6 +287,8 @@ def main(argv=None) -> int:
     p.add_argument("--missing", action="store_true", help="skip envs that already have a result JSON")
     p.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md")
     p.add_argument("--timeout", type=int, default=900, help="seconds per check (default 900)")
+    p.add_argument("--min-vllm", help="only envs whose vLLM release is >= this (post builds count as their release)")
+    p.add_argument("--max-vllm", help="only envs whose vLLM release is <= this")
     p.add_argument("--commit", default="HEAD", help="the commit whose package and matrix are checked (default HEAD)")
     p.add_argument("--worktree", action="store_true",
                    help="check with the working tree's package instead of a commit's")
@@ -295,6 +298,8 @@ def main(argv=None) -> int:
     bad = 0
     if not args.summary_only:
         envs = [resolve_env(a, root) for a in args.envs] if args.envs else complete_envs(root)
+        envs = [e for e in envs if (not args.min_vllm or vkey(env_request(e)[1])[0] >= vkey(args.min_vllm)[0])
+                and (not args.max_vllm or vkey(env_request(e)[1])[0] <= vkey(args.max_vllm)[0])]
         if args.missing:
             envs = [e for e in envs if not (out_dir / f"{e.name}.json").exists()]
         snap = tempfile.TemporaryDirectory(prefix="check-sweep-src-")
