@@ -156,6 +156,8 @@ CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
      _params("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups", ("vllm_config", "kv_cache_groups", "available_memory"))),
     ("G(0.4.x): kv_cache_utils.get_request_block_hasher", _attr("vllm.v1.core.kv_cache_utils", "get_request_block_hasher")),
     ("G(0.4.x): kv_cache_utils.init_none_hash", _attr("vllm.v1.core.kv_cache_utils", "init_none_hash")),
+    ("G(0.4.x): vllm.utils.hashing.get_hash_fn_by_name (0.11.0: vllm.utils.get_hash_fn_by_name, aliased by hashing-module-alias)",
+     _any_of(_attr("vllm.utils.hashing", "get_hash_fn_by_name"), _attr("vllm.utils", "get_hash_fn_by_name"))),
     ("G: Scheduler(vllm_config, kv_cache_config, structured_output_manager)",
      _params("vllm.v1.core.sched.scheduler", "Scheduler", ("vllm_config", "kv_cache_config", "structured_output_manager"))),
     ("G: Scheduler.schedule/add_request/update_from_output/finish_requests/has_unfinished_requests",
@@ -172,6 +174,8 @@ CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
     ("W: vllm.distributed.get_pp_group", _attr("vllm.distributed", "get_pp_group")),
     ("W: vllm.distributed.get_tp_group", _attr("vllm.distributed", "get_tp_group")),
     ("W: vllm.sequence.IntermediateTensors", _attr("vllm.sequence", "IntermediateTensors")),
+    ("W(0.3.0): vllm.model_executor.models.interfaces.supports_eagle3",
+     _attr("vllm.model_executor.models.interfaces", "supports_eagle3")),
     ("W: plugins load before worker_extension_cls is resolved (vllm.general_plugins reaches workers)",
      _any_of(
          _source_contains("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "load_general_plugins", "call load_general_plugins"),
