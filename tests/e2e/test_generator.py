@@ -40,7 +40,10 @@ def _run_cell(arch: str, tmp_path: Path, *extra: str) -> dict:
     if results_dir:
         Path(results_dir).mkdir(parents=True, exist_ok=True)
         v = result["versions"]
-        name = f"spec-{v['speculators']}_vllm-{v['vllm']}_{arch}{'_unpatched' if '--unpatched' in extra else ''}.json"
+        suffix = "_unpatched" if "--unpatched" in extra else ""
+        if "--tensor-parallel-size" in extra:
+            suffix += f"_tp{extra[extra.index('--tensor-parallel-size') + 1]}"
+        name = f"spec-{v['speculators']}_vllm-{v['vllm']}_{arch}{suffix}.json"
         (Path(results_dir) / name).write_text(json.dumps(result, indent=2))
     return result
 
@@ -73,3 +76,17 @@ def test_unpatched_generator_fails(tmp_path):
     # it failed in speculators/vLLM, not in the shim: nothing was patched in this process
     assert r["error"]["type"] != "ExtractionError", r["error"]
     assert "patches applied here" not in r["error"]["message"], r["error"]["message"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on CPU vLLM needs two cores")
+def test_tensor_parallel_2_agrees_with_hf(tmp_path, monkeypatch):
+    """The generator's own TP path (two CPU workers, capture on TP rank 0) against HF."""
+    # CPU vLLM binds each TP rank's OpenMP threads to cores; "auto" wants one NUMA node per rank
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+    r = _run_cell("llama", tmp_path, "--tensor-parallel-size", "2")
+    assert "error" not in r, f"{r['error']['type']}: {r['error']['message']}\n{r['error']['traceback']}"
+    assert r["tensor_parallel_size"] == 2
+    for name in ("mixed", "chunked", "truncated"):
+        case = r["cases"][name]
+        assert case["shapes_ok"] and case["passed"], f"{name}: {case['summary']}"
+    assert r["cases"]["repeat"]["identical"]
