@@ -39,6 +39,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (side-stream copy into page-locked memory)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -55,9 +56,10 @@ def main() -> int:
 
     layer = LlamaDecoderLayer()
     adapter = adapter_for(type(layer))
-    positions = torch.arange(args.tokens)
-    hidden = torch.randn(args.tokens, args.hidden)
-    residual = torch.randn(args.tokens, args.hidden)
+    dev = torch.device(args.device)
+    positions = torch.arange(args.tokens, device=dev)
+    hidden = torch.randn(args.tokens, args.hidden, device=dev)
+    residual = torch.randn(args.tokens, args.hidden, device=dev)
 
     class _Worker:  # what CaptureState reads from vLLM's worker in this path
         model_runner = None
@@ -65,8 +67,9 @@ def main() -> int:
     state = CaptureState(_Worker(), [0])
     state.capture = True
     state.runner_kind = "v1"
-    buf = torch.empty(1, args.tokens, args.hidden)
+    buf = torch.empty(1, args.tokens, args.hidden, pin_memory=dev.type == "cuda")
     state.buffers = {"r": buf}
+    state.pinned = dev.type == "cuda"
     state.batch_order = lambda: ["r"]
     state.set_step({"r": (args.tokens, 0)})
 
@@ -104,8 +107,12 @@ def main() -> int:
             samples[name].append(once(fn))
             if h:
                 h.remove()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()  # launch cost only: drain the queued kernels between variants
     results = {k: statistics.median(v) for k, v in samples.items()}
-    if not torch.equal(buf[0], hidden + residual):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    if not torch.equal(buf[0], (hidden + residual).cpu()):
         raise SystemExit("the shim's hook did not capture hidden + residual")
     results["added_by_dispatch_ns"] = results["b_noop_hook_ns"] - results["a_direct_ns"]
     results["added_by_shim_hook_ns"] = results["d_shim_hook_capturing_ns"] - results["a_direct_ns"]
@@ -116,6 +123,7 @@ def main() -> int:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
         "tokens": args.tokens,
         "hidden": args.hidden,
         "calls_per_rep": args.calls,

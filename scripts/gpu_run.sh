@@ -10,7 +10,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "noasync" (native without async scheduling), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -68,6 +68,13 @@ if [[ " $STEPS " == *" noasync "* ]]; then
   SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --native-async-scheduling off \
     --out "$OUT/throughput_h200_native_noasync.json" > "$OUT/throughput_h200_native_noasync.log" 2>&1; echo "bench noasync rc=$?"
+fi
+if [[ " $STEPS " == *" hook "* ]]; then
+  echo "== per-layer hook overhead (CPU tensors on the host's cores, then CUDA tensors)"
+  for d in cpu cuda; do
+    PYTHONPATH=$PWD/src:$SITE timeout 200 python3 benchmarks/hook_overhead.py --calls 5000 --reps 21 --device $d \
+      --out "$OUT/hook_overhead_h200host_$d.json" > "$OUT/hook_overhead_$d.log" 2>&1; echo "hook $d rc=$?"
+  done
 fi
 if [[ " $STEPS " == *" nopin "* ]]; then
   echo "== throughput with SPECULATORS_COMPAT_PIN=0 (pageable exchange buffers)"
