@@ -13,14 +13,33 @@ settings. Two things need them (versions: compat_matrix.yaml):
 - ``SPECULATORS_COMPAT_ATTENTION_BACKEND`` (e.g. ``TRITON_ATTN``) selects the attention backend
   through ``VllmConfig.attention_config`` where that field exists — needed where a build lacks
   the default backend (e.g. a GPU install without FlashAttention).
+
+``cpu-rms-norm-native`` (its own patch, on ``_create_vllm_config``, since ``engine-options`` owns
+the ``VllmConfig`` name): vLLM 0.12 dropped the ``input.contiguous()`` in
+``vllm._custom_ops.rms_norm`` when its CUDA kernel learned strided input (vLLM PR #28103); the
+CPU kernel did not — it reads a strided input as if it were contiguous. On
+0.12-0.13 ``CustomOp.forward_cpu`` still delegates to ``forward_cuda``, and with
+``enforce_eager=True`` (speculators' setting) every custom op is on, so ``RMSNorm`` on CPU feeds
+that kernel. Qwen3's q/k-norm normalises ``qkv.split(...)`` viewed per head — a strided view —
+so every token but the first gets another token's q/k (the first is right, and attention at
+position 0 needs only v): hidden states off by ~0.5-0.9 relative, silently. vLLM's own
+``LLM(enforce_eager=True)`` shows it too (benchmarks/results/arch/qwen3_vllm-0.12.0_native.json).
+The patch adds ``-rms_norm`` to the built config's ``compilation_config.custom_ops`` on CPU, so
+``RMSNorm`` runs its PyTorch ``forward_native`` (matches HF to ~1e-6 in float32). From 0.14
+``CustomOp.forward_cpu`` runs ``forward_native`` itself. The probe reads the real objects: it
+reports "not needed" where ``forward_cpu`` does not reach ``forward_cuda``, where
+``_custom_ops.rms_norm`` makes its input contiguous, or off the CPU platform.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
-from ..registry import wrapper_patch
-from ._signatures import GENERATOR, accepts, import_attr, require_params
+from ..registry import NotNeeded, wrapper_patch
+from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
+
+logger = logging.getLogger("speculators_compat")
 
 
 def _on_cpu() -> bool:
@@ -65,6 +84,67 @@ def _probe(current):
     return None
 
 
+def _code_names(fn) -> set[str]:
+    """Names a function's code refers to (attributes and globals), or an empty set."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def cpu_rms_norm_reaches_strided_kernel(rms_norm_cls, custom_ops_rms_norm) -> str | None:
+    """None where ``RMSNorm`` on CPU hands its input, strides and all, to vLLM's compiled
+    ``rms_norm`` kernel; else why not (the patch is then not needed)."""
+    forward_cpu = getattr(rms_norm_cls, "forward_cpu", None)
+    if forward_cpu is None or "forward_cuda" not in _code_names(forward_cpu):
+        return "RMSNorm.forward_cpu does not reach forward_cuda (vLLM runs forward_native on CPU)"
+    if "contiguous" in _code_names(custom_ops_rms_norm):
+        return "vllm._custom_ops.rms_norm makes its input contiguous"
+    return None
+
+
+def disable_rms_norm_op(custom_ops: list) -> bool:
+    """Add ``-rms_norm`` to a ``custom_ops`` list in place; False where ``+rms_norm`` asks for
+    the op explicitly (left alone) or it is already off."""
+    if "-rms_norm" in custom_ops or "+rms_norm" in custom_ops:
+        return False
+    custom_ops.append("-rms_norm")
+    return True
+
+
+def _native_rms_norm_on_cpu(wrapped, instance, args, kwargs):
+    config = wrapped(*args, **kwargs)
+    if _on_cpu():
+        custom_ops = config.compilation_config.custom_ops
+        if not disable_rms_norm_op(custom_ops) and "+rms_norm" in custom_ops:
+            logger.warning(
+                "speculators_compat: compilation_config.custom_ops has +rms_norm; vLLM's CPU rms_norm "
+                "kernel ignores input strides on this version (q/k-norm models come out wrong)"
+            )
+    return config
+
+
+def _probe_rms_norm(current):
+    if parameters(current) is None:
+        return "expected VllmHiddenStatesGenerator._create_vllm_config to be a method"
+    compilation = import_attr("vllm.config", "CompilationConfig")
+    if not accepts(compilation, "custom_ops"):
+        return "expected CompilationConfig(custom_ops=...); not found"
+    if not _on_cpu():
+        return NotNeeded("not the CPU platform (the CPU rms_norm kernel is the one that ignores strides)")
+    rms_norm = import_attr("vllm.model_executor.layers.layernorm", "RMSNorm")
+    if getattr(rms_norm, "name", None) != "rms_norm":
+        return f"expected RMSNorm registered as custom op 'rms_norm'; found {getattr(rms_norm, 'name', None)!r}"
+    reason = cpu_rms_norm_reaches_strided_kernel(rms_norm, import_attr("vllm._custom_ops", "rms_norm"))
+    return NotNeeded(reason) if reason else None
+
+
 PATCHES = [
     wrapper_patch("engine-options", "platform", GENERATOR, "VllmConfig", _vllm_config_options, _probe),
+    wrapper_patch(
+        "cpu-rms-norm-native",
+        "platform",
+        GENERATOR,
+        "VllmHiddenStatesGenerator._create_vllm_config",
+        _native_rms_norm_on_cpu,
+        _probe_rms_norm,
+    ),
 ]
