@@ -12,7 +12,9 @@ One row per (speculators, vLLM release, platform):
 - ``broken``: a patched cell failed (evidence: that cell's error, one line);
 - ``untested``: only unpatched cells were run for that pair.
 
-Cells run with ``--overrides`` (model-config variants, e.g. MLA dims for GPU kernels) are
+Cells run with ``--overrides`` (model-config variants, e.g. MLA dims for GPU kernels), with
+``--tensor-parallel-size`` other than 1, or of an arch outside ``STATUS_ARCHS`` (Llama and Qwen3,
+what ``make test`` runs; MoE and multimodal cells live in benchmarks/results/arch) are
 exploratory: they do not decide the status, but a failing one is named in the evidence.
 
 vLLM builds are normalised to their release (``0.11.0.post2`` / ``0.16.0+cpu`` -> ``0.11.0`` /
@@ -44,6 +46,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "compat_matrix.yaml"
+# the archs that decide a pair's status (what `make test` runs); others are exploratory
+STATUS_ARCHS = ("llama", "qwen3")
 RESULT_DIRS = [ROOT / "benchmarks" / "results" / "e2e", ROOT / "benchmarks" / "results" / "gpu"]
 SUMMARY = ROOT / "benchmarks" / "results" / "e2e" / "SUMMARY.md"
 ARCH_ORDER = ["llama", "qwen3"]
@@ -96,7 +100,11 @@ class Cell:
         self.arch = str(data.get("arch"))
         self.unpatched = bool(data.get("unpatched"))
         self.error = data.get("error")
-        self.variant = bool(data.get("overrides"))
+        self.variant = (
+            bool(data.get("overrides"))
+            or (data.get("tensor_parallel_size") or 1) != 1
+            or data.get("arch") not in STATUS_ARCHS
+        )
         self.passed = self._judge() and not self.error
 
     def _judge(self) -> bool:
@@ -249,7 +257,7 @@ def rows_from(grouped: dict) -> list[dict]:
                     evidence += "; " + unp
         for a in _arch_sort(variants):
             if not variants[a].passed:
-                evidence += f"; variant {a} (overrides, not counted) failed: {variants[a].error_line(100)}"
+                evidence += f"; variant {a} (exploratory, not counted) failed: {variants[a].error_line(100)}"
         if not patched and not unpatched:
             status, evidence = "untested", evidence.lstrip("; ")
         rows.append(
