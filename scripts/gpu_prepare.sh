@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare .gpu/ for scripts/gpu_run.sh: the CUDA vLLM 0.24 bundle (../shared/gpu recipe), this
 # package as a wheel, speculators 0.3.0 / 0.4.0.1, and the few wheels their import needs that
-# the GPU image lacks. MOE=1 also writes .gpu-moe/_moe_C.xz (MoE kernels) for a second call.
+# the GPU image lacks. MOE=1 also writes .gpu-moe/ (MoE kernels, FlashAttention 3 for MLA prefill; 22 MB) for a second call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
@@ -22,6 +22,9 @@ if [ "${MOE:-0}" = 1 ]; then
   WORK=${TMPDIR:-/tmp}/gpu-bundle-work
   unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/_moe_C_stable_libtorch.abi3.so > /tmp/_moe_C.so
   python3 .gpu/prune_fatbin.py /tmp/_moe_C.so && xz -9 -T0 -c /tmp/_moe_C.so > .gpu-moe/_moe_C.xz
+  # FlashAttention 3 (Hopper only, 153 MB -> 7.9 MB xz): MLA *prefill* on the H200 needs it
+  # (vLLM 0.24's MLA backends compute prefill with FA3/FA2, FlashInfer or TRT-LLM; TRITON_MLA only decodes)
+  unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -9e -T0 > .gpu-moe/_vllm_fa3_C.xz
 fi
 (cd .gpu/bundle && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum > SHA256SUMS)
 du -sh .gpu/bundle .gpu/spec .gpu-moe 2>/dev/null || true

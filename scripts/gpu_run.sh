@@ -31,13 +31,16 @@ fi
 if [ -f .gpu-moe/_moe_C.xz ] && [ ! -f "$SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
   xz -d -c .gpu-moe/_moe_C.xz > "$SITE/vllm/_moe_C_stable_libtorch.abi3.so"
 fi
+if [ -f .gpu-moe/_vllm_fa3_C.xz ] && [ ! -f "$SITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" ]; then
+  xz -d -c .gpu-moe/_vllm_fa3_C.xz > "$SITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
+fi
 for v in 0.3.0 0.4.0.1; do
   [ -d /tmp/spec-$v/speculators ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spec-$v .gpu/spec/speculators-$v-*.whl
 done
 cell() {  # speculators-version arch [extra runner args]
-  local v=$1 a=$2; shift 2
+  local v=$1 a=$2 n=${CELL_NAME:-$2}; shift 2
   PYTHONPATH=$PWD/src:/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
-    --arch "$a" --out "$OUT/e2e_spec-${v}_${a}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${a}.log" 2>&1
+    --arch "$a" --out "$OUT/e2e_spec-${v}_${n}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${n}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
 t0=$(date +%s)
@@ -52,9 +55,14 @@ fi
 if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
-  # vLLM's MLA kernels take head size kv_lora_rank + qk_rope_head_dim in {320, 576} (0.24)
-  MLA='{"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}'
+  # vLLM 0.24's MLA kernels take: decode head size kv_lora_rank + qk_rope_head_dim in {320, 576};
+  # FA3 prefill (diff. head dims): Q/K head dim (nope + rope) in (128, 192], V head dim in (96, 128]
+  MLA='{"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}'
   cell 0.3.0 deepseek_v3 --overrides "$MLA" & p1=$!; cell 0.4.0.1 deepseek_v3 --overrides "$MLA" & p2=$!; wait $p1 $p2
+  # the same model with every layer dense (no MoE): MLA alone, free of bf16 expert near-ties
+  DENSE='{"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "first_k_dense_replace": 4}'
+  CELL_NAME=deepseek_v3_dense cell 0.3.0 deepseek_v3 --overrides "$DENSE" & p1=$!
+  CELL_NAME=deepseek_v3_dense cell 0.4.0.1 deepseek_v3 --overrides "$DENSE" & p2=$!; wait $p1 $p2
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"

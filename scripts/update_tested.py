@@ -149,6 +149,14 @@ class Cell:
         ]
         return max(errs) if errs else None
 
+    @property
+    def variant_name(self) -> str:
+        """The cell's name from its file (``e2e_spec-0.4.0.1_deepseek_v3_mla_moe.json`` ->
+        ``deepseek_v3_mla_moe``), else the arch."""
+        stem = self.path.stem
+        prefix = f"e2e_spec-{self.speculators}_"
+        return stem[len(prefix):] if stem.startswith(prefix) and len(stem) > len(prefix) else self.arch
+
     def error_line(self, limit: int = 160) -> str:
         """One line: how this cell failed (error type + message, or which check did not hold)."""
         if self.error:
@@ -205,7 +213,9 @@ def group(cells: list[Cell]) -> dict:
     out: dict = {}
     for c in sorted(cells, key=lambda c: c.mtime):
         slot = out.setdefault(c.pair, {"patched": {}, "unpatched": {}, "variants": {}})
-        slot["variants" if c.variant else "unpatched" if c.unpatched else "patched"][c.arch] = c
+        # variants are keyed by their file's cell name (one arch may have several, e.g. MLA with/without MoE)
+        key = c.variant_name if c.variant else c.arch
+        slot["variants" if c.variant else "unpatched" if c.unpatched else "patched"][key] = c
     return out
 
 
@@ -255,7 +265,13 @@ def rows_from(grouped: dict) -> list[dict]:
                 evidence += f" ({','.join(dtypes)})"
                 if unp:
                     evidence += "; " + unp
-        for a in _arch_sort(variants):
+        ok_variants = [
+            f"{a} {variants[a].max_error:.1e}" if variants[a].max_error is not None else a
+            for a in sorted(variants) if variants[a].passed
+        ]
+        if ok_variants:
+            evidence += f"; variants passed: {', '.join(ok_variants)}"
+        for a in sorted(variants):
             if not variants[a].passed:
                 evidence += f"; variant {a} (exploratory, not counted) failed: {variants[a].error_line(100)}"
         if not patched and not unpatched:
