@@ -57,6 +57,69 @@ def _pool_stats(gen) -> dict | None:
     return {"capacity_bytes": pool.capacity, "peak_call_bytes": pool.peak_call_bytes, **pool.stats}
 
 
+def _rel_err(a, b) -> float:
+    a = a.float()
+    b = b.float().to(a.device)
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _vllm_extract(xllm, prompts, sp) -> list[dict]:
+    """vLLM's own extraction, to host tensors: generate, then load (and remove) each request's
+    safetensors file, as a user of that path must."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+
+    outs = xllm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
+    loaded = []
+    for o in outs:
+        path = o.kv_transfer_params["hidden_states_path"]
+        loaded.append(load_hidden_states(path))
+        cleanup_hidden_states(path)
+    return loaded
+
+
+def _worker_peaks(self):
+    """(In a vLLM worker) device memory of this worker's torch allocator."""
+    import torch
+
+    now = torch.cuda.memory_allocated()
+    peak = torch.cuda.max_memory_allocated()
+    return {"allocated_now": now, "max_allocated": peak, "transient_peak": peak - now}
+
+
+def _worker_reset_peaks(self):
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    return True
+
+
+def _engines(gen, llm, xllm):
+    calls = [("shim", gen.executor.collective_rpc)]
+    calls += [(n, e.collective_rpc) for n, e in (("native", llm), ("vllm_extract", xllm)) if e is not None]
+    return calls
+
+
+def _device_reset(gen, llm, xllm) -> None:
+    for _, rpc in _engines(gen, llm, xllm):
+        rpc(_worker_reset_peaks)
+
+
+def _device_memory(gen, llm, xllm) -> dict:
+    """Device memory of each engine's rank-0 worker over the measured repetitions (peaks reset
+    after the warm-up): ``allocated_now`` (weights + KV cache + buffers that stay),
+    ``transient_peak`` (activations and, for the shim, capture copies in flight, above that)."""
+    out = {}
+    for name, rpc in _engines(gen, llm, xllm):
+        try:
+            out[name] = rpc(_worker_peaks)[0]
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="llama")
@@ -76,10 +139,19 @@ def main() -> int:
         help="off: run vLLM's own engine without async scheduling, as the generator's engine runs",
     )
     p.add_argument("--gpu-util", type=float, default=0.4, help="the generator's gpu_memory_utilization (GPU)")
+    p.add_argument(
+        "--vllm-extract",
+        action="store_true",
+        help="also time vLLM's own extraction (speculative method extract_hidden_states + "
+        "ExampleHiddenStatesConnector, vLLM >= 0.17): its aux hidden states are the *input* of "
+        "layer i, so it captures layers (captured + 1); files go to /dev/shm and are loaded as tensors",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # the device-memory readout sends a function to vLLM's workers through LLM.collective_rpc
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     import speculators_compat  # noqa: F401
     import torch
     from speculators_compat.testing.tiny_models import build_tiny_model, vllm_env
@@ -97,10 +169,12 @@ def main() -> int:
     gen = VllmHiddenStatesGenerator(str(model), layer_ids=capture, max_model_len=args.max_model_len, **gen_kw)
     init_shim = time.perf_counter() - t
     llm = None
+    xllm = None
     init_native = None
-    if args.native:
-        from vllm import LLM, SamplingParams
+    init_extract = None
+    from vllm import LLM, SamplingParams
 
+    if True:
         kw = dict(
             model=str(model),
             enforce_eager=True,
@@ -116,10 +190,29 @@ def main() -> int:
             kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.3"))
             if os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"):
                 kw["attention_config"] = {"backend": os.environ["SPECULATORS_COMPAT_ATTENTION_BACKEND"]}
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+    if args.native:
         t = time.perf_counter()
         llm = LLM(**kw)
         init_native = time.perf_counter() - t
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
+    if args.vllm_extract:
+        import tempfile
+
+        store = tempfile.mkdtemp(prefix="vllm-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        xkw = dict(kw)
+        xkw["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [c + 1 for c in capture]}},
+        }
+        xkw["kv_transfer_config"] = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": store},
+        }
+        t = time.perf_counter()
+        xllm = LLM(**xkw)
+        init_extract = time.perf_counter() - t
 
     rows = []
     rng = random.Random(0)
@@ -127,10 +220,20 @@ def main() -> int:
         prompts = [[rng.randrange(4, 1000) for _ in range(plen)] for _ in range(args.batch)]
         tokens = plen * args.batch
         # warm-up both
-        gen.generate(prompts)
+        first = gen.generate(prompts)
         if llm is not None:
             llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
-        shim_s, native_s, phases = [], [], []
+        agreement = None
+        if xllm is not None:
+            loaded = _vllm_extract(xllm, prompts, sp)
+            # the same residual stream: shim's output of layer c vs vLLM's input of layer c + 1
+            agreement = max(
+                _rel_err(first[i]["hidden_states"][k], loaded[i]["hidden_states"][:, k]) for i in range(len(prompts)) for k in range(len(capture))
+            )
+        del first
+        if platform == "cuda":
+            _device_reset(gen, llm, xllm)
+        shim_s, native_s, extract_s, phases = [], [], [], []
         for _ in range(args.reps):
             if platform == "cuda":
                 torch.cuda.synchronize()
@@ -144,7 +247,13 @@ def main() -> int:
                 t = time.perf_counter()
                 llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
                 native_s.append(time.perf_counter() - t)
+            if xllm is not None:
+                t = time.perf_counter()
+                loaded = _vllm_extract(xllm, prompts, sp)
+                extract_s.append(time.perf_counter() - t)
+                del loaded
         row = {
+            "driver": phases[0].get("driver") if phases else None,
             "prompt_len": plen,
             "batch": args.batch,
             "tokens": tokens,
@@ -152,7 +261,9 @@ def main() -> int:
             "shim_median_tok_s": tokens / statistics.median(shim_s),
             "shim_phase_s": phases,
             "shim_phase_median_s": {
-                k: statistics.median(p[k] for p in phases) for k in (phases[0] if phases else {}) if k != "iterations"
+                k: statistics.median(p[k] for p in phases)
+                for k in (phases[0] if phases else {})
+                if k != "iterations" and isinstance(phases[0][k], (int, float))
             },
         }
         if native_s:
@@ -162,6 +273,16 @@ def main() -> int:
             row["ratio_median"] = statistics.median(ratios)
             row["ratio_min"] = min(ratios)
             row["ratio_max"] = max(ratios)
+        if extract_s:
+            row["vllm_extract_tok_s"] = [tokens / s for s in extract_s]
+            row["vllm_extract_median_tok_s"] = tokens / statistics.median(extract_s)
+            xr = [x / s for s, x in zip(shim_s, extract_s)]  # shim tok/s over vLLM-extract tok/s
+            row["ratio_vs_vllm_extract_median"] = statistics.median(xr)
+            row["ratio_vs_vllm_extract_min"] = min(xr)
+            row["ratio_vs_vllm_extract_max"] = max(xr)
+            row["vllm_extract_max_rel_err_vs_shim"] = agreement
+        if platform == "cuda":
+            row["device_memory"] = _device_memory(gen, llm, xllm)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
         print(json.dumps({"exchange_pool": _pool_stats(gen)}), flush=True)
@@ -174,7 +295,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if platform == "cuda" else os.uname().machine,
         "versions": {k: v.version for k, v in installed_versions().items()},
         "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype, "captured": capture},
-        "init_s": {"shim": init_shim, "native": init_native},
+        "init_s": {"shim": init_shim, "native": init_native, "vllm_extract": init_extract},
         "rows": rows,
         "exchange_pool": _pool_stats(gen),
         "host_memory": {**_rss_mb(), "worker_rss_mb_now": _worker_rss_mb()},
