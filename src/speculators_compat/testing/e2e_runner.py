@@ -16,7 +16,11 @@ is installed) and runs a battery:
 
 Every captured tensor is compared with HF transformers on the same weights (forward hooks on
 the decoder layers, the dtype the engine computed in; tolerance per dtype from
-``reference.TOLERANCE``). With ``--unpatched`` the shim is disabled (in every process) and the
+``reference.TOLERANCE``). ``--reference vllm`` compares with the same vLLM engine's own forward
+instead (shim disabled, hooks on its decoder layers: ``testing.vllm_reference``), for configs HF
+does not implement; a config that sets ``llama_4_scaling`` (DeepSeek-V3, vLLM >= 0.12) is also
+compared with HF plus the harness's scaling and, as negative controls, with plain HF and vLLM's
+forward with the scaling off (``testing.llama4_scaling``). With ``--unpatched`` the shim is disabled (in every process) and the
 runner records how the generator fails. The JSON it writes is what tests, the demo, the
 tested-table generator and the GPU script read.
 """
@@ -162,9 +166,15 @@ def run(args, progress=None) -> dict:
     except Exception as exc:  # noqa: BLE001
         result["worker"] = {"error": f"{type(exc).__name__}: {exc}"}
 
+    try:  # before the references: a second engine must not share the 2 CPU cores with this one
+        generator.executor.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
     import torch
 
-    from speculators_compat.testing.reference import compare, hf_layer_outputs
+    from speculators_compat.testing import llama4_scaling
+    from speculators_compat.testing.reference import compare, hf_layer_outputs, load_hf_model
 
     say("computing the HF transformers reference (forward hooks on the decoder layers)")
     captured_dtype = outputs["mixed"][0]["hidden_states"][0].dtype
@@ -173,8 +183,67 @@ def run(args, progress=None) -> dict:
     result["dtype"] = str(captured_dtype).replace("torch.", "")
     max_keep = args.max_model_len - 1
     device = "cuda" if platform == "cuda" else "cpu"
-    for name in ("mixed", "chunked", "truncated"):
-        seqs = [s[:max_keep] for s in batches[name]]
+    seqs_by_case = {name: [s[:max_keep] for s in batches[name]] for name in ("mixed", "chunked", "truncated")}
+    # MoE: a single near-tie may still flip an expert in float32 (seen: 1 token of gpt_oss)
+    outliers = 0.01 if args.arch in tiny_models.MOE_ARCHITECTURES else 0.0
+
+    # References: name -> {case: [[tensor per layer] per sequence]}; negative controls alike.
+    l4s = llama4_scaling.config_value(model_dir)
+    references: dict = {}
+    controls: dict = {}
+    hf_model = load_hf_model(model_dir, dtype=captured_dtype, device=device)
+    hf_plain = {n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()}
+    if l4s is not None:
+        result["llama_4_scaling"] = {
+            "config": l4s,
+            "hf_implements": llama4_scaling.hf_implements(hf_model),
+            "hf_class": f"{type(hf_model).__module__}.{type(hf_model).__qualname__}",
+            "positions": {n: llama4_scaling.stats([len(s) for s in seqs], l4s) for n, seqs in seqs_by_case.items()},
+        }
+    if l4s is not None and not result["llama_4_scaling"]["hf_implements"]:
+        say("HF does not implement llama_4_scaling: HF + the harness's scaling is the HF reference")
+        with llama4_scaling.hf_attention_scaling(hf_model, l4s) as calls:
+            references["hf+harness_llama_4_scaling"] = {
+                n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()
+            }
+        result["llama_4_scaling"]["harness_attention_calls"] = calls["n"]
+        controls["hf_without_llama_4_scaling"] = hf_plain
+    else:
+        references["hf"] = hf_plain
+    del hf_model
+    if args.reference == "vllm":
+        say("computing the vLLM own-forward reference (plain vllm.LLM, shim disabled, one prompt at a time)")
+        variants = ["own"] + (["llama_4_scaling_off"] if l4s is not None else [])
+        try:
+            got = _vllm_reference(args, model_dir, captured_dtype, ids, seqs_by_case, variants, platform, versions)
+            result["vllm_reference"] = {k: got[k] for k in ("init_s", "seconds", "vllm", "worker")}
+            references["vllm_own_forward"] = got["variants"]["own"]
+            if "llama_4_scaling_off" in got["variants"]:
+                controls["vllm_own_forward_llama_4_scaling_off"] = got["variants"]["llama_4_scaling_off"]
+        except Exception as exc:  # noqa: BLE001 - recorded; the cell then fails
+            result["vllm_reference"] = {"error": f"{type(exc).__name__}: {exc}"}
+        primary = "vllm_own_forward"
+    else:
+        primary = "hf" if "hf" in references else "hf+harness_llama_4_scaling"
+    result["reference"] = primary
+
+    captured = {n: [[h.to(device) for h in o["hidden_states"]] for o in outputs[n]] for n in seqs_by_case}
+    result["references"] = {}
+    for ref_name, ref in references.items():
+        result["references"][ref_name] = {}
+        for name in seqs_by_case:
+            rep = compare(captured[name], ref[name], dtype=captured_dtype, max_outlier_fraction=outliers)
+            result["references"][ref_name][name] = {
+                "max_error": rep.max_error, "passed": rep.passed, "summary": rep.summary()
+            }
+    if controls:
+        result["negative_controls"] = {
+            c: {name: _control_report(captured[name], ref[name], seqs_by_case[name], l4s, captured_dtype)
+                for name in seqs_by_case}
+            for c, ref in controls.items()
+        }
+
+    for name, seqs in seqs_by_case.items():
         out = outputs[name]
         case = result["cases"][name]
         case["lengths_in"] = [len(s) for s in batches[name]]
@@ -185,17 +254,12 @@ def run(args, progress=None) -> dict:
             and o["input_ids"].tolist() == s
             for o, s in zip(out, seqs)
         )
-        ref = hf_layer_outputs(model_dir, seqs, ids, dtype=captured_dtype, device=device)
-        # MoE: a single near-tie may still flip an expert in float32 (seen: 1 token of gpt_oss)
-        outliers = 0.01 if args.arch in tiny_models.MOE_ARCHITECTURES else 0.0
-        rep = compare(
-            [[h.to(device) for h in o["hidden_states"]] for o in out], ref, dtype=captured_dtype,
-            max_outlier_fraction=outliers,
-        )
-        case["max_error"] = rep.max_error
-        case["tolerance"] = rep.tolerance
-        case["passed"] = rep.passed and case["shapes_ok"]
-        case["summary"] = rep.summary()
+        verdict = result["references"].get(primary, {}).get(name)
+        case["reference"] = primary
+        case["max_error"] = verdict["max_error"] if verdict else None
+        case["tolerance"] = reference_tolerance(captured_dtype)
+        case["passed"] = bool(verdict and verdict["passed"]) and case["shapes_ok"]
+        case["summary"] = verdict["summary"] if verdict else f"no {primary} reference: {result.get('vllm_reference')}"
         case["tokens_per_s"] = case["tokens"] / case["seconds"] if case["seconds"] else None
     result["cases"]["repeat"] = {
         "identical": all(
@@ -206,11 +270,82 @@ def run(args, progress=None) -> dict:
     result["passed"] = all(result["cases"][n]["passed"] for n in ("mixed", "chunked", "truncated")) and result["cases"][
         "repeat"
     ]["identical"]
-    try:
-        generator.executor.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
     return result
+
+
+def reference_tolerance(dtype) -> float:
+    from speculators_compat.testing.reference import TOLERANCE, _dtype_name
+
+    return TOLERANCE[_dtype_name(dtype)]
+
+
+def _control_report(captured, reference, seqs, l4s, dtype) -> dict:
+    """How far the capture is from a negative control (a reference that must differ).
+
+    Per token: relative error of its row. With llama_4_scaling, tokens at positions below
+    ``original_max_position_embeddings`` get factor 1 (and attend only to such tokens), so they
+    must agree; every later token must differ."""
+    import torch
+
+    from speculators_compat.testing.reference import _row_errors, compare
+
+    tol = reference_tolerance(dtype)
+    rep = compare(captured, reference, dtype=dtype)
+    n0 = int(l4s["original_max_position_embeddings"]) if l4s else 0
+    early, late = [], []
+    for cap, ref in zip(captured, reference):
+        for c, r in zip(cap, ref):
+            rows = _row_errors(c, r)
+            early.append(rows[:n0])
+            late.append(rows[n0:])
+    early_t = torch.cat(early) if early else torch.zeros(0)
+    late_t = torch.cat(late) if late else torch.zeros(0)
+    return {
+        "max_error": rep.max_error,
+        "min_error": min((e for row in rep.errors for e in row), default=0.0),
+        "passed_as_reference": rep.passed,  # must be False for the control to mean anything
+        "entries_over_tolerance": f"{len(rep.failures())}/{sum(len(row) for row in rep.errors)}",
+        # rows = (token, captured layer) pairs; "scaled": positions with a factor != 1
+        "rows_scaled": int(late_t.numel()),
+        "rows_scaled_over_tolerance": int((late_t > tol).sum()),
+        "min_row_error_scaled": float(late_t.min()) if late_t.numel() else None,
+        "median_row_error_scaled": float(late_t.median()) if late_t.numel() else None,
+        "rows_unscaled": int(early_t.numel()),
+        "max_row_error_unscaled": float(early_t.max()) if early_t.numel() else None,
+    }
+
+
+def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, platform, versions) -> dict:
+    """Run testing.vllm_reference in a subprocess with the shim disabled; its result dict."""
+    import subprocess
+    import tempfile
+
+    import torch
+
+    from speculators_compat.testing import tiny_models
+
+    spec = {
+        "model_dir": str(model_dir),
+        "arch": args.arch,
+        "dtype": str(dtype).replace("torch.", ""),
+        "max_model_len": args.max_model_len,
+        "layer_ids": list(layer_ids),
+        "batches": seqs_by_case,
+        "variants": variants,
+        "engine_kwargs": tiny_models.vllm_engine_kwargs(args.arch, versions.get("vllm") or "", platform),
+    }
+    with tempfile.TemporaryDirectory(prefix="spec-compat-vllm-ref-") as td:
+        src, dst = os.path.join(td, "in.pt"), os.path.join(td, "out.pt")
+        torch.save(spec, src)
+        env = dict(os.environ, SPECULATORS_COMPAT_DISABLE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "speculators_compat.testing.vllm_reference", src, dst],
+            env=env, capture_output=True, text=True, timeout=args.reference_timeout,
+        )
+        if proc.returncode != 0 or not os.path.exists(dst):
+            tail = (proc.stdout[-2000:] + "\n" + proc.stderr[-4000:]).strip()
+            raise RuntimeError(f"vllm_reference exited {proc.returncode}: {tail}")
+        return torch.load(dst, weights_only=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,6 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
         "float32 gives MoE archs a decisive comparison",
     )
     parser.add_argument("--overrides", default=None, help="JSON of model config keys (e.g. MLA dims for GPU kernels)")
+    parser.add_argument(
+        "--reference",
+        default="hf",
+        choices=("hf", "vllm"),
+        help="what decides the cell: HF transformers (default; HF + the harness's llama_4_scaling when the "
+        "config sets it and HF does not implement it) or the same vLLM engine's own forward with the shim "
+        "disabled (testing.vllm_reference); the other comparisons are recorded under 'references'",
+    )
+    parser.add_argument("--reference-timeout", type=int, default=1200, help="seconds for the vLLM reference run")
     return parser
 
 

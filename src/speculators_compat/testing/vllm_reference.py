@@ -1,0 +1,146 @@
+"""A second reference for the e2e cells: the same vLLM engine's own forward, shim disabled.
+
+For configs HF transformers does not implement (DeepSeek-V3 with ``llama_4_scaling``), the
+states speculators' generator captures under the shim are compared with what vLLM's own
+``model.forward`` computes in a plain ``vllm.LLM`` (``SPECULATORS_COMPAT_DISABLE=1``): forward
+hooks on the decoder layers, registered in the worker through ``LLM.apply_model``
+(``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), read ``hidden_states + residual`` after each chosen
+layer; one prompt at a time (prefill of the prompt, one sampled token, no decode forward).
+
+Variants: ``own`` (the model as loaded) and ``llama_4_scaling_off`` (the worker's
+``model.config.llama_4_scaling`` set to None before the run: exactly what a capture loop that
+calls the layers without the argument computes; the negative control).
+
+Run as a subprocess (vLLM spawns its engine; the caller's process has the shim active)::
+
+    python -m speculators_compat.testing.vllm_reference IN.pt OUT.pt
+
+``IN.pt``: ``{"model_dir", "arch", "dtype", "max_model_len", "layer_ids", "batches": {name:
+[[ids]]}, "variants": [...], "engine_kwargs": {...}}``; ``OUT.pt``: ``{"variants": {variant:
+{name: [[tensor [len, hidden] per layer] per sequence]}}, "init_s", "seconds", "vllm"}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_STATE_ATTR = "_speculators_compat_reference"
+
+
+def _inner(model):
+    for cand in (getattr(model, "model", None), model):
+        if cand is not None and hasattr(cand, "layers"):
+            return cand
+    getter = getattr(model, "get_language_model", None)
+    if callable(getter):
+        return getter().model
+    raise RuntimeError(f"no decoder layers on {type(model).__qualname__}")
+
+
+def _setup(model, layer_ids):
+    inner = _inner(model)
+    state = {"rows": {i: [] for i in layer_ids}, "handles": []}
+
+    def make(i):
+        def hook(_module, _args, output):
+            hidden, residual = output
+            state["rows"][i].append((hidden if residual is None else hidden + residual).detach().to("cpu").clone())
+
+        return hook
+
+    for i in layer_ids:
+        state["handles"].append(inner.layers[i].register_forward_hook(make(i)))
+    setattr(model, _STATE_ATTR, state)
+    return {"model": type(model).__qualname__, "layer": type(inner.layers[0]).__qualname__,
+            "llama_4_scaling": getattr(inner.config, "llama_4_scaling", None)}
+
+
+def _reset(model):
+    for rows in getattr(model, _STATE_ATTR)["rows"].values():
+        rows.clear()
+    return True
+
+
+def _collect(model):
+    import torch
+
+    state = getattr(model, _STATE_ATTR)
+    return [[torch.cat(rows) if rows else None, len(rows)] for _i, rows in sorted(state["rows"].items())]
+
+
+def _set_scaling(model, value):
+    inner = _inner(model)
+    previous = getattr(inner.config, "llama_4_scaling", None)
+    inner.config.llama_4_scaling = value
+    return previous
+
+
+def run(spec: dict) -> dict:
+    import functools
+
+    from vllm import LLM, SamplingParams
+
+    import vllm
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model_dir"],
+        dtype=spec["dtype"],
+        enforce_eager=True,
+        max_model_len=spec["max_model_len"],
+        enable_prefix_caching=False,
+        seed=0,
+        **spec.get("engine_kwargs", {}),
+    )
+    init_s = time.perf_counter() - t0
+    layer_ids = sorted(set(spec["layer_ids"]))
+    info = llm.apply_model(functools.partial(_setup, layer_ids=layer_ids))[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out: dict = {"variants": {}, "init_s": init_s, "vllm": vllm.__version__, "worker": info}
+    t1 = time.perf_counter()
+    original = info["llama_4_scaling"]
+    for variant in spec["variants"]:
+        llm.apply_model(functools.partial(_set_scaling, value=None if variant == "llama_4_scaling_off" else original))
+        per_batch = {}
+        for name, seqs in spec["batches"].items():
+            rows = []
+            for seq in seqs:
+                llm.apply_model(_reset)
+                llm.generate([{"prompt_token_ids": list(seq)}], params, use_tqdm=False)
+                got = llm.apply_model(_collect)[0]
+                per_layer = []
+                for i, (t, calls) in zip(sorted(layer_ids), got):
+                    if t is None or t.shape[0] != len(seq):
+                        raise RuntimeError(
+                            f"{variant}/{name}: layer {i} saw {None if t is None else t.shape[0]} rows in "
+                            f"{calls} forward calls for a {len(seq)}-token prompt"
+                        )
+                    per_layer.append(t)
+                rows.append(per_layer)
+            per_batch[name] = rows
+        out["variants"][variant] = per_batch
+    llm.apply_model(functools.partial(_set_scaling, value=original))
+    out["seconds"] = time.perf_counter() - t1
+    return out
+
+
+def main(argv=None) -> int:
+    import torch
+
+    argv = sys.argv[1:] if argv is None else argv
+    src, dst = argv
+    spec = torch.load(src, weights_only=False)
+    # Run from the importable module, not __main__: the worker functions sent through
+    # apply_model must pickle by reference (vLLM 0.32's shm broadcast uses plain pickle).
+    from speculators_compat.testing import vllm_reference
+
+    result = vllm_reference.run(spec)
+    torch.save(result, dst)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
