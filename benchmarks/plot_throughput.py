@@ -2,7 +2,7 @@
 
     python benchmarks/plot_throughput.py --out benchmarks/results/throughput.png \\
         benchmarks/results/gpu/throughput_h200.json benchmarks/results/gpu/throughput_h200_native_noasync.json \\
-        [benchmarks/results/cpu/throughput_cpu.json]
+        benchmarks/results/gpu/throughput_h200_shim_pipeline0.json [benchmarks/results/cpu/throughput_cpu_vllm-0.16.json]
 
 One panel per platform (GPU / CPU); per input file a native line (labelled with its async
 scheduling setting) and the shim line (median tok/s, with min–max bars over repetitions).
@@ -43,8 +43,8 @@ def main() -> int:
     runs = [json.load(open(path)) | {"_path": path} for path in args.inputs]
     platforms = sorted({r["platform"] for r in runs}, key=lambda p: p != "cuda")
     fig, axes = plt.subplots(1, len(platforms), figsize=(6.5 * len(platforms), 4.5), squeeze=False)
-    table = ["| platform | prompt length | native setting | shim tok/s | native tok/s | ratio median (min–max) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    table = ["| platform | prompt length | compared with | shim driver | shim tok/s | other tok/s | ratio median (min–max) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for ax, plat in zip(axes[0], platforms):
         shim_drawn = False
         for run in [r for r in runs if r["platform"] == plat]:
@@ -54,15 +54,29 @@ def main() -> int:
             if xs:
                 ax.errorbar(xs, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
                             marker="s", capsize=3, linestyle="--", label=native_label)
-            if not shim_drawn:
+            xs, med, lo, hi = _series(run["rows"], "vllm_extract_tok_s")
+            if xs:
+                ax.errorbar(xs, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+                            marker="^", capsize=3, linestyle=":", label="vLLM's own extract_hidden_states (+ load)")
+            shim_only = not any("native_tok_s" in r for r in run["rows"])
+            if not shim_drawn or shim_only:
+                driver = run["rows"][0].get("driver") or "serial"
                 xs, med, lo, hi = _series(run["rows"], "shim_tok_s")
                 ax.errorbar(xs, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
-                            marker="o", capsize=3, linewidth=2, label="speculators generator + speculators-compat")
-                shim_drawn = True
+                            marker="o", capsize=3, linewidth=2 if not shim_only else 1, alpha=1 if not shim_only else 0.6,
+                            label=f"speculators generator + speculators-compat ({driver} driver)")
+                shim_drawn = shim_drawn or not shim_only
             for r in run["rows"]:
+                if "ratio_vs_vllm_extract_median" in r:
+                    table.append(
+                        f"| {run['device']} | {r['prompt_len']} | vLLM extract_hidden_states | {r.get('driver') or 'serial'} | {r['shim_median_tok_s'] / 1000:.1f}k "
+                        f"| {r['vllm_extract_median_tok_s'] / 1000:.1f}k | {r['ratio_vs_vllm_extract_median']:.2f} "
+                        f"({r['ratio_vs_vllm_extract_min']:.2f}–{r['ratio_vs_vllm_extract_max']:.2f}) |"
+                    )
                 if "ratio_median" in r:
                     table.append(
-                        f"| {run['device']} | {r['prompt_len']} | {setting} | {r['shim_median_tok_s'] / 1000:.1f}k "
+                        f"| {run['device']} | {r['prompt_len']} | vLLM LLM, async scheduling {'on (default)' if setting == 'default' else setting} "
+                        f"| {r.get('driver') or 'serial'} | {r['shim_median_tok_s'] / 1000:.1f}k "
                         f"| {r['native_median_tok_s'] / 1000:.1f}k | {r['ratio_median']:.2f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |"
                     )
         first = [r for r in runs if r["platform"] == plat][0]
