@@ -150,6 +150,8 @@ def run(args, progress=None) -> dict:
             outputs[name] = generator.generate(batches[name])
             result["cases"][name] = {"seconds": time.perf_counter() - t, "tokens": sum(len(s) for s in batches[name])}
         outputs["repeat"] = generator.generate(batches["mixed"])
+        timings = getattr(generator, "_speculators_compat_timings", None) or {}
+        result["driver"] = timings.get("driver")
     except BaseException as exc:  # noqa: BLE001 - the failure is the result
         result["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
         result["init_s"] = result.get("init_s")
