@@ -64,6 +64,13 @@ if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   CELL_NAME=deepseek_v3_dense cell 0.3.0 deepseek_v3 --overrides "$DENSE" & p1=$!
   CELL_NAME=deepseek_v3_dense cell 0.4.0.1 deepseek_v3 --overrides "$DENSE" & p2=$!; wait $p1 $p2
 fi
+if [[ " $STEPS " == *" mlaref "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
+  echo "== DeepSeek-V3 MoE on the MLA path vs the same engine's own forward (bf16 expert near-ties vs HF)"
+  export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
+  MLA='{"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}'
+  CELL_NAME=deepseek_v3_mla_moe_vllmref cell 0.3.0 deepseek_v3 --overrides "$MLA" --reference vllm & p1=$!
+  CELL_NAME=deepseek_v3_mla_moe_vllmref cell 0.4.0.1 deepseek_v3 --overrides "$MLA" --reference vllm & p2=$!; wait $p1 $p2
+fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
   # three engines on one GPU: the generator (KV 30 GB), vLLM's LLM, and vLLM's own extraction (0.22 each)

@@ -336,6 +336,11 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         "variants": variants,
         "engine_kwargs": tiny_models.vllm_engine_kwargs(args.arch, versions.get("vllm") or "", platform),
     }
+    if platform == "cuda":  # the same device budget and attention backend as the generator's engine
+        spec["engine_kwargs"].setdefault("gpu_memory_utilization", args.gpu_memory_utilization or 0.15)
+        backend = os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND")
+        if backend:
+            spec["engine_kwargs"].setdefault("attention_config", {"backend": backend})
     with tempfile.TemporaryDirectory(prefix="spec-compat-vllm-ref-") as td:
         src, dst = os.path.join(td, "in.pt"), os.path.join(td, "out.pt")
         torch.save(spec, src)
