@@ -179,7 +179,7 @@ class Cell:
                 if isinstance(case.get("max_error"), (int, float)):
                     why.append(f"max rel err {case['max_error']:.1e} > tol {case.get('tolerance', float('nan')):.0e}")
                 bad.append(f"{name}: {', '.join(why) or 'failed'}")
-        ref = "vLLM's own forward" if self.data.get("reference") == "vllm" else "HF"
+        ref = "vLLM's own forward" if str(self.data.get("reference")).startswith("vllm") else "HF"
         return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if bad else "did not pass", limit)
 
     def error_type(self) -> str:
