@@ -9,7 +9,12 @@ E2E_ARCHS ?= llama,qwen3
 export UV_CONSTRAINT :=
 export PIP_CONSTRAINT :=
 
-.PHONY: demo test unit bed-tools dev
+# the (speculators, vLLM) pair the CPU benchmarks run on
+BENCH_PAIR ?= --speculators 0.4.0.1 --vllm 0.16.0
+GPU_RESULTS = benchmarks/results/gpu/throughput_h200.json benchmarks/results/gpu/throughput_h200_native_noasync.json \
+	benchmarks/results/gpu/throughput_h200_shim_pipeline0.json
+
+.PHONY: demo test unit bed-tools dev bench
 
 bed-tools:
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -33,3 +38,14 @@ test: unit
 	  SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1 \
 	    $$PYBIN -m pytest -m "contract or e2e" tests/contract tests/e2e -q -rs; \
 	done
+
+# CPU benchmarks on the test bed, then the plot (GPU results: scripts/gpu_run.sh, see README)
+bench: dev
+	.venv/bin/python benchmarks/import_cost.py --runs 40 --out benchmarks/results/import_cost.json
+	@PYBIN=$$($(PY) scripts/bed.py python $(BENCH_PAIR)) && \
+	  VLLM_CPU_KVCACHE_SPACE=2 $$PYBIN benchmarks/throughput.py --hidden 512 --layers 6 --batch 16 \
+	    --prompt-len 128 256 --reps 5 --out benchmarks/results/cpu/throughput_cpu_vllm-0.16.json && \
+	  $$PYBIN benchmarks/hook_overhead.py --calls 5000 --reps 21 --out benchmarks/results/hook_overhead.json
+	@uv pip install -q --python .venv/bin/python matplotlib
+	.venv/bin/python benchmarks/plot_throughput.py --out benchmarks/results/throughput.png $(GPU_RESULTS) \
+	  benchmarks/results/cpu/throughput_cpu_vllm-0.16.json
