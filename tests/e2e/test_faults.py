@@ -4,6 +4,7 @@ a named error within the RPC bound, and no vLLM process is left behind."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,7 +45,8 @@ def test_worker_killed_mid_extraction(tmp_path):
     assert err is not None, "generate() returned although its worker was killed"
     assert err["type"] == "ExtractionError", err
     # names what happened and where: the engine step, the dead worker and its signal, the context
-    assert "engine step 2 failed" in err["message"] or "worker RPC" in err["message"], err["message"]
+    # (the pipelined driver submits step 2 before it waits for step 1, so either step may report it)
+    assert re.search(r"engine step [12] failed", err["message"]) or "worker RPC" in err["message"], err["message"]
     assert "killed by SIGKILL" in err["message"], err["message"]
     assert "speculators-compat" in err["message"], err["message"]
     assert r["seconds_to_error"] < BOUND_S + 30, r["seconds_to_error"]
@@ -60,7 +62,8 @@ def test_worker_stuck_mid_extraction(tmp_path):
     err = r["error"]
     assert err is not None, "generate() returned although its worker was stopped"
     assert err["type"] == "ExtractionError", err
-    assert "engine step 2 failed" in err["message"] or "worker RPC" in err["message"], err["message"]
+    # (the pipelined driver submits step 2 before it waits for step 1, so either step may report it)
+    assert re.search(r"engine step [12] failed", err["message"]) or "worker RPC" in err["message"], err["message"]
     assert "speculators-compat" in err["message"], err["message"]
     assert "is stopped" in err["message"], err["message"]
     assert BOUND_S - 5 <= r["seconds_to_error"] < 2 * BOUND_S + 30, r["seconds_to_error"]
