@@ -10,7 +10,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -89,6 +89,12 @@ if [[ " $STEPS " == *" tp2 "* ]]; then
   echo "== tensor_parallel_size=2 (needs 2 GPUs) and a multimodal wrapper (Llava)"
   cell 0.4.0.1 llama --tensor-parallel-size 2 & p1=$!; cell 0.4.0.1 llava & p2=$!; wait $p1 $p2
   [ -f "$OUT/e2e_spec-0.4.0.1_llama.json" ] && mv "$OUT/e2e_spec-0.4.0.1_llama.json" "$OUT/e2e_spec-0.4.0.1_llama_tp2.json"
+fi
+if [[ " $STEPS " == *" bench16 "* ]]; then
+  echo "== throughput, 16 layers (hidden 2048), 7 repetitions: shim vs native prefill"
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 16 \
+    --batch 32 --prompt-len 512 1024 2048 --reps 7 --max-model-len 4096 --out "$OUT/throughput_h200_16l.json" \
+    > "$OUT/throughput_h200_16l.log" 2>&1; echo "bench16 rc=$?"
 fi
 if [[ " $STEPS " == *" pipeoff "* ]]; then
   echo "== shim throughput with the serial driver (SPECULATORS_COMPAT_PIPELINE=0: one batch in flight, no async scheduling)"
