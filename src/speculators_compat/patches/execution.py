@@ -347,6 +347,25 @@ def _add_requests(self, module, req_ids, input_ids_list) -> None:
     self._request_counter += 1
 
 
+def _placement(so, computed) -> dict:
+    """The capture's row placement for one scheduled batch, {req_id: (tokens, computed before)};
+    advances ``computed`` (the scheduler advanced its own count when it scheduled)."""
+    step = {}
+    for rid, n in so.num_scheduled_tokens.items():
+        if rid not in computed:
+            raise ExtractionError(f"the scheduler scheduled unknown request {rid!r}\n[{_context()}]")
+        step[rid] = (n, computed[rid])
+        computed[rid] += n
+    return step
+
+
+def _stuck(scheduler) -> ExtractionError:
+    return ExtractionError(
+        f"the scheduler scheduled nothing with {scheduler.get_num_unfinished_requests()} request(s) "
+        f"unfinished (KV cache too small for the longest sequence?)\n[{_context()}]"
+    )
+
+
 def _drive(executor, scheduler, req_ids, clock):
     """Step the engine until every request finished: ({req_id: tokens computed}, steps).
     Adds the seconds spent in each part of a step to ``clock``."""
@@ -359,22 +378,13 @@ def _drive(executor, scheduler, req_ids, clock):
         so = scheduler.schedule()
         clock["schedule"] += time.perf_counter() - t0
         if so.total_num_scheduled_tokens == 0:
-            raise ExtractionError(
-                f"the scheduler scheduled nothing with {scheduler.get_num_unfinished_requests()} request(s) "
-                f"unfinished (KV cache too small for the longest sequence?)\n[{_context()}]"
-            )
+            raise _stuck(scheduler)
         iterations += 1
-        step = {}
-        for rid, n in so.num_scheduled_tokens.items():
-            if rid not in computed:
-                raise ExtractionError(f"the scheduler scheduled unknown request {rid!r}\n[{_context()}]")
-            step[rid] = (n, computed[rid])
+        step = _placement(so, computed)
         t0 = time.perf_counter()
         _rpc(executor, "step", step)
         clock["step_rpc"] += time.perf_counter() - t0
         _engine_step(executor, scheduler, so, f"engine step {iterations}", clock)
-        for rid, (n, _) in step.items():
-            computed[rid] += n
     # Deliver the finished request ids to the workers (V2 runners free slots on them).
     so = scheduler.schedule()
     if so.total_num_scheduled_tokens == 0 and getattr(so, "finished_req_ids", None):
@@ -465,19 +475,10 @@ def _drive_pipelined(executor, scheduler, req_ids, clock, depth=2):
                     inflight.append(_submit(executor, so, {}, clock, f"engine step {iterations} (finished ids)"))
                 break
             iterations += 1
-            step = {}
-            for rid, n in so.num_scheduled_tokens.items():
-                if rid not in computed:
-                    raise ExtractionError(f"the scheduler scheduled unknown request {rid!r}\n[{_context()}]")
-                step[rid] = (n, computed[rid])
-                computed[rid] += n
-            inflight.append(_submit(executor, so, step, clock, f"engine step {iterations}"))
+            inflight.append(_submit(executor, so, _placement(so, computed), clock, f"engine step {iterations}"))
         if not inflight:
             if scheduler.has_unfinished_requests():
-                raise ExtractionError(
-                    f"the scheduler scheduled nothing with {scheduler.get_num_unfinished_requests()} request(s) "
-                    f"unfinished (KV cache too small for the longest sequence?)\n[{_context()}]"
-                )
+                raise _stuck(scheduler)
             break
         _complete(executor, scheduler, inflight.popleft(), clock)
     # Deliver the last finished request ids to the workers (V2 runners free slots on them).
