@@ -145,8 +145,9 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
     if arch == "llama":
         common.update(head_dim=head_dim, rope_theta=10000.0)
     elif arch == "llava":
-        text = dict(common, model_type="llama", head_dim=head_dim, rope_theta=10000.0)
-        text.pop("architectures")
+        # the text decoder's class, as released Llava checkpoints name it: vLLM < 0.20 builds the
+        # language model from text_config.architectures (no fallback from model_type before 0.20)
+        text = dict(common, model_type="llama", head_dim=head_dim, rope_theta=10000.0, architectures=["LlamaForCausalLM"])
         return dict(
             text_config=text,
             vision_config=dict(
