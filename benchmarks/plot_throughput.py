@@ -75,7 +75,8 @@ def main() -> int:
                     )
                 if "ratio_median" in r:
                     table.append(
-                        f"| {run['device']} | {r['prompt_len']} | vLLM LLM, async scheduling {'on (default)' if setting == 'default' else setting} "
+                        f"| {run['device']} | {r['prompt_len']} | vLLM LLM, "
+                        f"{('async scheduling on (default)' if plat == 'cuda' else 'default engine (no async scheduling on CPU)') if setting == 'default' else 'async scheduling ' + setting} "
                         f"| {r.get('driver') or 'serial'} | {r['shim_median_tok_s'] / 1000:.1f}k "
                         f"| {r['native_median_tok_s'] / 1000:.1f}k | {r['ratio_median']:.2f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |"
                     )
