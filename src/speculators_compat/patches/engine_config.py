@@ -3,9 +3,10 @@
 What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
 - ``SchedulerConfig`` gained a required ``is_encoder_decoder`` (0.11.1+; speculators 0.3.0 does
   not pass it, 0.4.x does, which 0.11.0 rejects) and turns ``async_scheduling`` on by default
-  for hand-built configs (0.14+). The generator drives one step at a time, so the adapter
-  passes ``is_encoder_decoder=False`` where the field exists, drops it where it does not, and
-  sets ``async_scheduling=False`` where that field exists.
+  for hand-built configs (0.14+). The adapter passes ``is_encoder_decoder=False`` where the
+  field exists, drops it where it does not, and sets ``async_scheduling=False`` where that field
+  exists: off unless the driver keeps batches in flight, which ``async-scheduling``
+  (execution.py) decides when the executor is built (on accelerators, with futures).
 - ``CacheConfig``: prefix caching became the default (0.12+). speculators 0.3.0 neither gives
   its Requests a block hasher nor turns caching off, so vLLM's block pool fails its
   ``len(request.block_hashes) >= num_full_blocks`` assertion (with an empty message) on the
