@@ -104,6 +104,7 @@ class Cell:
             bool(data.get("overrides"))
             or (data.get("tensor_parallel_size") or 1) != 1
             or data.get("arch") not in STATUS_ARCHS
+            or self.variant_name != self.arch  # a named variant file (e.g. ..._llama_v1runner.json)
         )
         self.passed = self._judge() and not self.error
 

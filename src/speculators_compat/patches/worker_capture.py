@@ -311,6 +311,10 @@ def compat_rpc(self, op, *args):
                     "pid": os.getpid(),
                     "layers": state.layer_ids,
                     "captures": state.capture,
+                    # the worker's own view of the engine config (the async-scheduling patch)
+                    "async_scheduling": getattr(
+                        getattr(getattr(self, "vllm_config", None), "scheduler_config", None), "async_scheduling", None
+                    ),
                     "patches": speculators_compat.report(),
                 },
             }
