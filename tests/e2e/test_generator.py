@@ -66,6 +66,13 @@ def test_patched_generator_agrees_with_hf(arch, tmp_path):
     assert {"worker-capture-hooks", "worker-capture-rpc"} <= worker_applied
     driver_applied = {p["id"] for p in r["patches"] if p["status"] == "applied"}
     assert "generate-driver" in driver_applied
+    # the driver the executor allows ran: two batches in flight where it takes futures (0.11.1+)
+    from speculators_compat.patches.execution import executor_takes_futures
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    assert r["driver"] == ("pipelined(2)" if executor_takes_futures(MultiprocExecutor) else "serial"), r["driver"]
+    # CPU vLLM runs its workers without async scheduling (the async-scheduling patch is for accelerators)
+    assert r["worker"]["async_scheduling"] in (False, None) or r["platform"] != "cpu", r["worker"]["async_scheduling"]
 
 
 def test_unpatched_generator_fails(tmp_path):
