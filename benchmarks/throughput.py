@@ -174,23 +174,23 @@ def main() -> int:
     init_extract = None
     from vllm import LLM, SamplingParams
 
-    if True:
-        kw = dict(
-            model=str(model),
-            enforce_eager=True,
-            dtype="auto",
-            max_model_len=args.max_model_len,
-            max_num_seqs=32,
-            max_num_batched_tokens=max(8192, args.max_model_len),
-            enable_prefix_caching=False,
-        )
-        if args.native_async_scheduling == "off":
-            kw["async_scheduling"] = False
-        if platform == "cuda":
-            kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.3"))
-            if os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"):
-                kw["attention_config"] = {"backend": os.environ["SPECULATORS_COMPAT_ATTENTION_BACKEND"]}
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
+    # vLLM's own engines (native prefill, its own extraction) share these settings
+    kw = dict(
+        model=str(model),
+        enforce_eager=True,
+        dtype="auto",
+        max_model_len=args.max_model_len,
+        max_num_seqs=32,
+        max_num_batched_tokens=max(8192, args.max_model_len),
+        enable_prefix_caching=False,
+    )
+    if args.native_async_scheduling == "off":
+        kw["async_scheduling"] = False
+    if platform == "cuda":
+        kw["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_UTIL", "0.3"))
+        if os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"):
+            kw["attention_config"] = {"backend": os.environ["SPECULATORS_COMPAT_ATTENTION_BACKEND"]}
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
     if args.native:
         t = time.perf_counter()
         llm = LLM(**kw)
