@@ -57,12 +57,6 @@ def _pool_stats(gen) -> dict | None:
     return {"capacity_bytes": pool.capacity, "peak_call_bytes": pool.peak_call_bytes, **pool.stats}
 
 
-def _rel_err(a, b) -> float:
-    a = a.float()
-    b = b.float().to(a.device)
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 def _vllm_extract(xllm, prompts, sp) -> list[dict]:
     """vLLM's own extraction, to host tensors: generate, then load (and remove) each request's
     safetensors file, as a user of that path must."""
@@ -154,6 +148,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     import speculators_compat  # noqa: F401
     import torch
+    from speculators_compat.testing.reference import relative_error
     from speculators_compat.testing.tiny_models import build_tiny_model, vllm_env
 
     platform = "cuda" if torch.cuda.is_available() else "cpu"
@@ -228,7 +223,7 @@ def main() -> int:
             loaded = _vllm_extract(xllm, prompts, sp)
             # the same residual stream: shim's output of layer c vs vLLM's input of layer c + 1
             agreement = max(
-                _rel_err(first[i]["hidden_states"][k], loaded[i]["hidden_states"][:, k]) for i in range(len(prompts)) for k in range(len(capture))
+                relative_error(first[i]["hidden_states"][k], loaded[i]["hidden_states"][:, k]) for i in range(len(prompts)) for k in range(len(capture))
             )
         del first
         if platform == "cuda":

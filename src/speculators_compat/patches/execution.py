@@ -552,9 +552,9 @@ def _probe_async_scheduling(current):
     fields = getattr(import_attr("vllm.config", "SchedulerConfig"), "__dataclass_fields__", {}) or {}
     if "async_scheduling" not in fields:
         return "expected SchedulerConfig.async_scheduling; not found"
-    from vllm.platforms import current_platform
+    from .engine_options import _on_cpu
 
-    if current_platform.is_cpu():
+    if _on_cpu():
         return NotNeeded("the CPU platform runs without async scheduling (vLLM turns it off there)")
     return None
 
