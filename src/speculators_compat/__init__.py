@@ -60,7 +60,9 @@ def get_registry():
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+    from . import settings
+
+    return settings.flag(name)
 
 
 def activate(strict: bool | None = None, patches: str | None = None) -> bool:
@@ -78,7 +80,9 @@ def activate(strict: bool | None = None, patches: str | None = None) -> bool:
     else:
         os.environ["SPECULATORS_COMPAT_STRICT"] = "1" if strict else "0"
     if patches is None:
-        patches = os.environ.get("SPECULATORS_COMPAT_PATCHES")
+        from . import settings
+
+        patches = settings.text("SPECULATORS_COMPAT_PATCHES")
     else:
         os.environ["SPECULATORS_COMPAT_PATCHES"] = patches
     _config = (strict, patches)

@@ -35,7 +35,9 @@ class ExchangeError(RuntimeError):
 
 
 def shm_dir() -> str:
-    configured = os.environ.get("SPECULATORS_COMPAT_SHM_DIR")
+    from .settings import text
+
+    configured = text("SPECULATORS_COMPAT_SHM_DIR")
     if configured:
         return configured
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -12,7 +12,6 @@ installs).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,7 +131,9 @@ class Matrix:
 
 def matrix_path() -> Path:
     """The matrix file in use: the user's (env), the packaged copy, or the repository's."""
-    user = os.environ.get("SPECULATORS_COMPAT_MATRIX")
+    from .settings import text
+
+    user = text("SPECULATORS_COMPAT_MATRIX")
     if user:
         return Path(user)
     packaged = Path(__file__).with_name("compat_matrix.yaml")

@@ -65,7 +65,9 @@ def _vllm_config_options(wrapped, instance, args, kwargs):
             kwargs["compilation_config"] = compilation
         if "-rotary_embedding" not in compilation.custom_ops:
             compilation.custom_ops = [*compilation.custom_ops, "-rotary_embedding"]
-    backend = os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND")
+    from ..settings import text
+
+    backend = text("SPECULATORS_COMPAT_ATTENTION_BACKEND")
     if backend and accepts(wrapped, "attention_config") and "attention_config" not in kwargs:
         from vllm.config import AttentionConfig
 

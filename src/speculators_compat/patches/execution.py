@@ -39,12 +39,12 @@ a time (the earlier serial driver, kept for comparison and for executors without
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import deque
 from numbers import Integral
 import time
 
+from .. import settings
 from ..exchange import ExchangePool
 from ..registry import wrapper_patch
 from ._signatures import GENERATOR, import_attr, parameters
@@ -130,7 +130,9 @@ def _raise(step: str, exc: BaseException, executor=None):
 
 def rpc_timeout() -> float:
     """Seconds a shim RPC may take before generate() fails (SPECULATORS_COMPAT_RPC_TIMEOUT, 600)."""
-    return float(os.environ.get("SPECULATORS_COMPAT_RPC_TIMEOUT", "600"))
+    from ..settings import number
+
+    return number("SPECULATORS_COMPAT_RPC_TIMEOUT")
 
 
 def _rpc(executor, op, *args):
@@ -258,7 +260,7 @@ def generate(self, token_ids):
     row_bytes = len(layer_ids) * hidden * itemsize
     placements, new_chunks, _dropped = pool.allocate({rid: lengths[rid] * row_bytes for rid in req_ids})
     try:
-        pin = os.environ.get("SPECULATORS_COMPAT_PIN", "1") != "0"
+        pin = settings.flag("SPECULATORS_COMPAT_PIN")
         _rpc(
             self.executor,
             "begin",
@@ -407,7 +409,7 @@ def executor_takes_futures(executor_cls) -> bool:
 def pipeline_depth(executor) -> int:
     """Batches the driver keeps in flight: 2 where the executor takes futures, else 1;
     ``SPECULATORS_COMPAT_PIPELINE=0`` forces 1."""
-    if os.environ.get("SPECULATORS_COMPAT_PIPELINE", "1") == "0":
+    if not settings.flag("SPECULATORS_COMPAT_PIPELINE"):
         return 1
     return 2 if executor_takes_futures(type(executor)) else 1
 
@@ -529,8 +531,8 @@ def _executor_async_scheduling(wrapped, instance, args, kwargs):
     scheduler_config = getattr(config, "scheduler_config", None)
     if (
         scheduler_config is not None
-        and os.environ.get("SPECULATORS_COMPAT_ASYNC_SCHEDULING", "1") != "0"
-        and os.environ.get("SPECULATORS_COMPAT_PIPELINE", "1") != "0"
+        and settings.flag("SPECULATORS_COMPAT_ASYNC_SCHEDULING")
+        and settings.flag("SPECULATORS_COMPAT_PIPELINE")
         and executor_takes_futures(wrapped)
     ):
         scheduler_config.async_scheduling = True

@@ -19,7 +19,6 @@ a large GPU, and prefill-only extraction needs little.
 
 from __future__ import annotations
 
-import os
 import threading
 
 from ..registry import wrapper_patch
@@ -31,14 +30,11 @@ _route_lock = threading.Lock()
 
 def platform_mem_get_info() -> tuple[int, int]:
     """(free, total) bytes for the KV cache, from the platform vLLM runs on."""
-    override = os.environ.get("SPECULATORS_COMPAT_KV_CACHE_BYTES")
-    if override:
-        try:
-            value = int(float(override))
-        except ValueError:
-            raise ValueError(
-                f"SPECULATORS_COMPAT_KV_CACHE_BYTES={override!r}: expected a number of bytes"
-            ) from None
+    from ..settings import number
+
+    override = number("SPECULATORS_COMPAT_KV_CACHE_BYTES")
+    if override is not None:
+        value = int(override)
         return value, value
     from vllm.platforms import current_platform
 

@@ -1,0 +1,113 @@
+"""Every environment variable speculators-compat reads, in one place, with one parser per kind.
+
+Values are read at the moment they are asked for (workers inherit the caller's environment,
+and tests change it), never cached. A malformed value is one clear ``SettingError`` naming the
+variable and what it accepts; nothing falls back silently to a default.
+
+README's table of variables is checked against ``SETTINGS`` (tests/unit/test_settings.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["SETTINGS", "Setting", "SettingError", "get", "flag", "number", "text"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingError(ValueError):
+    """An environment variable of speculators-compat holds a value it does not accept."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # "flag" | "number" | "text"
+    default: object
+    doc: str
+    minimum: float | None = None  # numbers: strictly greater than this (None: any)
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting("SPECULATORS_COMPAT_DISABLE", "flag", False, "do nothing"),
+        Setting("SPECULATORS_COMPAT_STRICT", "flag", False,
+                "an untested combination or a failed probe raises (reaches workers)"),
+        Setting("SPECULATORS_COMPAT_PATCHES", "text", None,
+                "`id1,id2`: only these (a failure raises) · `-id1,-id2`: all but these"),
+        Setting("SPECULATORS_COMPAT_MATRIX", "text", None, "your own matrix file (validated like ours)"),
+        Setting("SPECULATORS_COMPAT_KV_CACHE_BYTES", "number", None,
+                "the free memory the generator sizes its KV cache from (speculators takes 16% of it)",
+                minimum=0),
+        Setting("SPECULATORS_COMPAT_ATTENTION_BACKEND", "text", None,
+                "attention backend for the generator's engine, e.g. `TRITON_ATTN`"),
+        Setting("SPECULATORS_COMPAT_SHM_DIR", "text", None,
+                "where captured states are exchanged (default `/dev/shm`)"),
+        Setting("SPECULATORS_COMPAT_RPC_TIMEOUT", "number", 600.0,
+                "seconds a shim RPC to the workers may take before `generate` fails", minimum=0),
+        Setting("SPECULATORS_COMPAT_PIN", "flag", True, "page-lock the exchange buffers on GPUs"),
+        Setting("SPECULATORS_COMPAT_PIPELINE", "flag", True,
+                "two batches in flight where the executor takes futures (off: serial driver, "
+                "async scheduling left off)"),
+        Setting("SPECULATORS_COMPAT_ASYNC_SCHEDULING", "flag", True,
+                "the workers' async scheduling on accelerators (with the pipelined driver)"),
+    ]
+}
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a speculators-compat setting") from None
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def flag(name: str) -> bool:
+    s = _setting(name)
+    raw = _raw(name)
+    if raw is None:
+        return bool(s.default)
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise SettingError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def number(name: str) -> float | None:
+    s = _setting(name)
+    raw = _raw(name)
+    if raw is None:
+        return s.default  # type: ignore[return-value]
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r}: expected a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise SettingError(f"{name}={raw!r}: expected a finite number")
+    if s.minimum is not None and not value > s.minimum:
+        raise SettingError(f"{name}={raw!r}: expected a number greater than {s.minimum:g}")
+    return value
+
+
+def text(name: str) -> str | None:
+    s = _setting(name)
+    raw = _raw(name)
+    return s.default if raw is None else raw  # type: ignore[return-value]
+
+
+def get(name: str):
+    kind = _setting(name).kind
+    return {"flag": flag, "number": number, "text": text}[kind](name)
