@@ -2,7 +2,7 @@
 
 The shim does not call decoder layers itself (speculators' loop did, with one architecture's
 conventions); it keeps the model's own forward and reads chosen layers' outputs through a
-forward hook (``worker_capture.CaptureState.on_layer_output`` with the layer's adapter from
+forward hook (``extraction.capture.CaptureState.on_layer_output`` with the layer's adapter from
 ``speculators_compat.layers``). What a layer call costs extra is therefore:
 1. PyTorch's hook dispatch (``Module.__call__`` takes its slow path when a module has hooks);
 2. the shim's hook: adapter lookup of the residual stream (``hidden + residual``: a real tensor
@@ -46,7 +46,7 @@ def main() -> int:
     import torch
 
     from speculators_compat.layers import adapter_for
-    from speculators_compat.patches.worker_capture import CaptureState
+    from speculators_compat.extraction.capture import CaptureState
 
     torch.set_num_threads(1)
 
@@ -67,8 +67,9 @@ def main() -> int:
     state = CaptureState(_Worker(), [0])
     state.capture = True
     state.runner_kind = "v1"
-    buf = torch.empty(1, args.tokens, args.hidden, pin_memory=dev.type == "cuda")
-    state.buffers = {"r": buf}
+    buf = torch.empty(args.tokens, args.hidden, pin_memory=dev.type == "cuda")
+    state.buffers = {"r": [buf]}
+    state.written = {"r": [0]}
     state.pinned = dev.type == "cuda"
     state.batch_order = lambda: ["r"]
     state.set_step({"r": (args.tokens, 0)})

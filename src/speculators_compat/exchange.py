@@ -20,6 +20,7 @@ to twice the largest single call seen, so a one-off large batch does not pin mem
 from __future__ import annotations
 
 import collections
+import errno
 import mmap
 import os
 import tempfile
@@ -35,10 +36,18 @@ class ExchangeError(RuntimeError):
 
 
 def shm_dir() -> str:
+    """The folder exchange chunks are made in (``SPECULATORS_COMPAT_SHM_DIR``, else /dev/shm);
+    a configured folder that is missing, not a folder or not writable is one clear error."""
     from .settings import text
 
     configured = text("SPECULATORS_COMPAT_SHM_DIR")
     if configured:
+        if not os.path.exists(configured):
+            raise ExchangeError(f"SPECULATORS_COMPAT_SHM_DIR={configured!r} does not exist")
+        if not os.path.isdir(configured):
+            raise ExchangeError(f"SPECULATORS_COMPAT_SHM_DIR={configured!r} is not a directory")
+        if not os.access(configured, os.W_OK | os.X_OK):
+            raise ExchangeError(f"SPECULATORS_COMPAT_SHM_DIR={configured!r} is not writable by this process")
         return configured
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -47,29 +56,71 @@ def _round_up(n: int, align: int = ALIGN) -> int:
     return max(align, (n + align - 1) // align * align)
 
 
-class Chunk:
-    """One shared-memory file, mapped in this process: a first-fit free list of segments."""
+def _anonymous_file(directory: str) -> int:
+    """A read-write descriptor of a file in ``directory`` that has no name (``O_TMPFILE``):
+    nothing can delete, replace or leak it; it is freed when its last descriptor and mapping
+    go. Where the filesystem lacks ``O_TMPFILE``, a fresh name is created and unlinked at once."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            return os.open(directory, os.O_RDWR | tmpfile | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise ExchangeError(f"cannot create exchange memory in {directory}: {exc.strerror}") from None
+    path = os.path.join(directory, f"speculators_compat_{os.getpid()}_{uuid.uuid4().hex}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ExchangeError(f"cannot create exchange memory in {directory}: {exc.strerror}") from None
+    os.unlink(path)
+    return fd
 
-    def __init__(self, chunk_id: int, path: str, size: int):
+
+class Chunk:
+    """One shared-memory file, mapped in this process: a first-fit free list of segments.
+
+    The file has no name; workers open it through this process's descriptor
+    (``/proc/<pid>/fd/<fd>``) and check its identity (``ref``)."""
+
+    def __init__(self, chunk_id: int, directory: str, size: int):
         self.id = chunk_id
-        self.path = path  # unlinked once the workers have mapped it (path kept for messages)
+        self.directory = directory
         self.size = size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = _anonymous_file(directory)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
-                os.unlink(path)
                 raise ExchangeError(
-                    f"cannot reserve {size} bytes for captured states in {os.path.dirname(path)} "
+                    f"cannot reserve {size} bytes for captured states in {directory} "
                     f"({exc.strerror}); free space there or set SPECULATORS_COMPAT_SHM_DIR"
                 ) from None
             self.map = mmap.mmap(fd, size)
-        finally:
+            st = os.fstat(fd)
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd = fd
+        self.dev, self.ino = st.st_dev, st.st_ino
         self.view = memoryview(self.map)
         self.free = [(0, size)]  # sorted, coalesced (offset, length)
         self.leased = 0
+
+    def ref(self):
+        from .extraction.protocol import ChunkRef
+
+        return ChunkRef(fd=self.fd, dev=self.dev, ino=self.ino, size=self.size)
+
+    def close(self) -> None:
+        """Give the memory back (idle chunks only; workers drop their mapping at the next call)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            self.view.release()
+            self.map.close()
+        except BufferError:  # a tensor still views it: the mapping goes with that tensor
+            pass
 
     def take(self, nbytes: int) -> int | None:
         for k, (off, length) in enumerate(self.free):
@@ -113,7 +164,6 @@ class ExchangePool:
 
     def __init__(self, directory: str | None = None):
         self.directory = directory or shm_dir()
-        self.prefix = f"speculators_compat_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.chunks: dict[int, Chunk] = {}
         self._next_id = 0
         self._released: collections.deque = collections.deque()
@@ -143,7 +193,7 @@ class ExchangePool:
     def _new_chunk(self, size: int) -> Chunk:
         chunk_id = self._next_id
         self._next_id += 1
-        chunk = Chunk(chunk_id, os.path.join(self.directory, f"{self.prefix}_{chunk_id}"), size)
+        chunk = Chunk(chunk_id, self.directory, size)
         self.chunks[chunk_id] = chunk
         self.stats["chunks_created"] += 1
         self.stats["bytes_created"] += size
@@ -153,8 +203,7 @@ class ExchangePool:
     def allocate(self, sizes: dict) -> tuple[dict, list[Chunk], list[int]]:
         """Lease one segment per key: ({key: (chunk_id, offset, nbytes)}, new chunks, dropped ids).
 
-        New chunks still have their file: map them in the workers, then call ``unlink``.
-        Dropped chunk ids must be unmapped by the workers.
+        New chunks must be mapped by the workers (``Chunk.ref``); dropped ones unmapped.
         """
         self._drain()
         self.stats["calls"] += 1
@@ -191,6 +240,7 @@ class ExchangePool:
                 break
             if chunk.idle and chunk.id not in used:
                 del self.chunks[chunk.id]
+                chunk.close()
                 capacity -= chunk.size
                 dropped.append(chunk.id)
                 self.stats["chunks_dropped"] += 1
@@ -214,13 +264,5 @@ class ExchangePool:
     def forget(self, chunks: list[Chunk]) -> None:
         """Drop idle chunks from the pool (the workers drop them at the next call)."""
         for chunk in chunks:
-            if chunk.idle:
-                self.chunks.pop(chunk.id, None)
-
-    @staticmethod
-    def unlink(chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            try:
-                os.unlink(chunk.path)
-            except FileNotFoundError:
-                pass
+            if chunk.idle and self.chunks.pop(chunk.id, None) is not None:
+                chunk.close()

@@ -8,7 +8,8 @@ pytestmark = pytest.mark.contract
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat.patches.execution import _check_token_ids, _token_tensors  # noqa: E402
+from speculators_compat.extraction.inputs import check_token_ids as _check_token_ids  # noqa: E402
+from speculators_compat.extraction.inputs import token_tensors as _token_tensors  # noqa: E402
 
 BAD = [
     ([[1, 2], []], r"token_ids\[1\] is empty"),
@@ -27,11 +28,12 @@ def test_fast_path_refuses_what_the_slow_path_refuses(sequences, message):
 
 
 def test_fast_path_tensors_are_the_ids():
-    seqs = [[0, 99, 5], [7], [True, 3]]
+    seqs = [[0, 99, 5], [7], [1, 3]]
     tensors = _token_tensors(seqs, torch)
     _check_token_ids(seqs, 100, tensors)
     assert [t.dtype for t in tensors] == [torch.long] * 3
     assert [t.tolist() for t in tensors] == [[0, 99, 5], [7], [1, 3]]
+    assert _token_tensors([[True, 3]], torch) is None  # bools leave the fast path and are refused
 
 
 def test_non_integers_leave_the_fast_path():

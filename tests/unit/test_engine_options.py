@@ -78,7 +78,7 @@ def test_disable_rms_norm_op_adds_once_and_respects_an_explicit_plus():
 
 @pytest.mark.parametrize("on_cpu, expected", [(True, ["all", "-rms_norm"]), (False, ["all"])])
 def test_wrapper_edits_the_built_config_on_cpu_only(monkeypatch, on_cpu, expected):
-    monkeypatch.setattr(engine_options, "_on_cpu", lambda: on_cpu)
+    monkeypatch.setattr(engine_options, "on_cpu", lambda: on_cpu)
     built = SimpleNamespace(compilation_config=SimpleNamespace(custom_ops=["all"]))
     seen = {}
 

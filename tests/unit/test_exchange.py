@@ -31,7 +31,6 @@ def test_one_chunk_serves_a_call_and_is_reused_after_results_are_dropped(pool, t
     assert all(off % ALIGN == 0 for off, _ in spans)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     assert all(placements[k][2] >= sizes[k] for k in sizes)
-    pool.unlink(new)
     assert os.listdir(tmp_path) == []  # both sides hold mappings; nothing left on disk
     views = _views(pool, placements, sizes)
     views["r3"][:4] = b"abcd"
@@ -57,7 +56,6 @@ def test_results_held_by_the_caller_are_never_reused(pool):
     assert len(new2) == 1  # the first chunk is fully leased
     first = {(c, o) for c, o, _ in p1.values()}
     assert not first & {(c, o) for c, o, _ in p2.values()}
-    pool.unlink(new1 + new2)
     del held
 
 
@@ -70,16 +68,13 @@ def test_freed_segments_coalesce(pool):
         gc.collect()
     pool.leased  # noqa: B018 - drains the released queue
     assert pool.chunks[new[0].id].free == [(0, MIN_CHUNK)]
-    pool.unlink(new)
 
 
 def test_idle_capacity_is_trimmed_to_twice_the_largest_call(pool):
     big = {"x": 3 * MIN_CHUNK}
     p, new, _ = pool.allocate(big)
-    pool.unlink(new)
     held = _views(pool, p, big)
     p2, new2, _ = pool.allocate(big)  # a second chunk while the first is held
-    pool.unlink(new2)
     del held
     views2 = _views(pool, p2, big)
     del views2
@@ -98,7 +93,6 @@ def test_idle_capacity_is_trimmed_to_twice_the_largest_call(pool):
 
 def test_failed_call_gives_its_leases_back(pool):
     p, new, _ = pool.allocate({"a": 5000, "b": 7000})
-    pool.unlink(new)
     pool.release(p)
     assert pool.leased == 0
     assert pool.chunks[new[0].id].free == [(0, MIN_CHUNK)]
@@ -106,7 +100,6 @@ def test_failed_call_gives_its_leases_back(pool):
 
 def test_no_space_is_a_clear_error_and_keeps_the_pool_consistent(pool, monkeypatch):
     p, new, _ = pool.allocate({"a": 5000})
-    pool.unlink(new)
     held = pool.lease_view(p["a"], 5000)
 
     def no_space(fd, offset, length):
@@ -130,8 +123,6 @@ def test_chunks_of_a_failed_begin_are_forgotten(pool):
     p, new, _ = pool.allocate({"a": 5000})
     pool.release(p)
     pool.forget(new)
-    pool.unlink(new)
     assert pool.chunks == {}
     p2, new2, _ = pool.allocate({"a": 5000})
     assert len(new2) == 1 and new2[0].id != new[0].id  # ids are never reused
-    pool.unlink(new2)

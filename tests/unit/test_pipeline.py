@@ -11,7 +11,7 @@ from _helpers import SHIPPED_MATRIX
 
 from speculators_compat.matrix import load_matrix
 from speculators_compat.patches import execution
-from speculators_compat.patches.execution import executor_takes_futures, pipeline_depth
+from speculators_compat.extraction.steps import executor_takes_futures, pipeline_depth
 
 pytestmark = pytest.mark.unit
 

@@ -658,7 +658,7 @@ def test_worker_health_names_a_killed_worker_process():
     import time
     from types import SimpleNamespace
 
-    from speculators_compat.patches.execution import worker_health
+    from speculators_compat.extraction.errors import worker_health
 
     ctx = multiprocessing.get_context("spawn")
     alive = ctx.Process(target=time.sleep, args=(30,))
@@ -697,21 +697,30 @@ def test_worker_health_names_a_killed_worker_process():
     ],
 )
 def test_bad_token_ids_are_one_line_value_errors(sequences, message):
-    from speculators_compat.patches.execution import _check_token_ids
+    from speculators_compat.extraction.inputs import check_token_ids as _check_token_ids
 
     with pytest.raises(ValueError, match=message):
         _check_token_ids(sequences, 100)
 
 
 def test_good_token_ids_pass():
-    from speculators_compat.patches.execution import _check_token_ids
+    from speculators_compat.extraction.inputs import check_token_ids as _check_token_ids
 
-    _check_token_ids([[0, 99], [5], [True]], 100)  # bool is an int; numpy ints are Integral too
+    _check_token_ids([[0, 99], [5]], 100)
+
+
+def test_bool_token_ids_are_refused():
+    import pytest
+
+    from speculators_compat.extraction.inputs import check_token_ids
+
+    with pytest.raises(ValueError, match=r"token_ids\[2\] holds True \(bool\): token ids must be integers"):
+        check_token_ids([[0, 99], [5], [True]], 100)
 
 
 def test_an_empty_assertion_is_described_by_where_it_was_raised():
     """The seeds' 'ERROR in batch 0-4:' came from vLLM's block pool asserting without a message."""
-    from speculators_compat.patches.execution import describe_exception
+    from speculators_compat.extraction.errors import describe_exception
 
     def block_pool_check(hashes, full_blocks):
         if len(hashes) < full_blocks:  # what a bare `assert` raises (pytest rewrites asserts here)
@@ -732,8 +741,8 @@ def test_worker_rpc_errors_come_back_as_values_with_their_traceback():
 
     from speculators_compat.patches.worker_capture import compat_rpc
 
-    reply = compat_rpc(SimpleNamespace(), "step", {})
-    assert reply["ok"] is False
+    reply = compat_rpc(SimpleNamespace(), 7, "step", {})
+    assert reply["ok"] is False and reply["seq"] == 7
     assert reply["type"] == "RuntimeError"
     assert reply["message"] == "capture not set up: call _setup_hidden_states_capture first"
     assert "Traceback" in reply["traceback"] and reply["pid"] > 0

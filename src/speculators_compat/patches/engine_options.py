@@ -42,21 +42,21 @@ from ._signatures import GENERATOR, accepts, import_attr, parameters, require_pa
 logger = logging.getLogger("speculators_compat")
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
 
 
 def _vllm_config_options(wrapped, instance, args, kwargs):
-    if not _on_cpu():
+    if not on_cpu():
         # The generator starts its workers itself (MultiprocExecutor); vLLM forks them unless
         # it sees CUDA initialised at that moment — but a caller that only asked
         # torch.cuda.is_available() has touched the driver without that flag, and every worker
         # then dies with "Cannot re-initialize CUDA in forked subprocess" (measured on an
         # H200, vLLM 0.24). vLLM's own engine runs its workers from a fresh process; spawn here.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if _on_cpu():
+    if on_cpu():
         from vllm.config import CompilationConfig
 
         compilation = kwargs.get("compilation_config")
@@ -114,7 +114,7 @@ def disable_rms_norm_op(custom_ops: list) -> bool:
 
 def _native_rms_norm_on_cpu(wrapped, instance, args, kwargs):
     config = wrapped(*args, **kwargs)
-    if _on_cpu():
+    if on_cpu():
         custom_ops = config.compilation_config.custom_ops
         if not disable_rms_norm_op(custom_ops) and "+rms_norm" in custom_ops:
             logger.warning(
@@ -130,7 +130,7 @@ def _probe_rms_norm(current):
     compilation = import_attr("vllm.config", "CompilationConfig")
     if not accepts(compilation, "custom_ops"):
         return "expected CompilationConfig(custom_ops=...); not found"
-    if not _on_cpu():
+    if not on_cpu():
         return NotNeeded("not the CPU platform (the CPU rms_norm kernel is the one that ignores strides)")
     rms_norm = import_attr("vllm.model_executor.layers.layernorm", "RMSNorm")
     if getattr(rms_norm, "name", None) != "rms_norm":

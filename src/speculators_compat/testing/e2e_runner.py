@@ -160,11 +160,9 @@ def run(args, progress=None) -> dict:
     # What applied: in this process, and in the worker (asked over the shim's RPC).
     result["patches"] = [r for r in speculators_compat.report() if r["status"] != "pending"]
     try:
-        from speculators_compat.patches.worker_capture import RPC_NAME
+        from speculators_compat.extraction.driver import describe
 
-        replies = generator.executor.collective_rpc(RPC_NAME, args=("describe",))
-        worker = replies[0]["value"] if replies and replies[0].get("ok") else replies[0]
-        result["worker"] = worker
+        result["worker"] = describe(generator)[0]
     except Exception as exc:  # noqa: BLE001
         result["worker"] = {"error": f"{type(exc).__name__}: {exc}"}
 

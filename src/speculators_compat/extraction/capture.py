@@ -1,0 +1,237 @@
+"""The worker side of an extraction: where each forward's rows go, and proof they went there.
+
+One ``CaptureState`` per vLLM worker (set up by ``patches.worker_capture``). Per call the driver
+sends ``begin`` (protocol.Begin): the worker maps the exchange chunks it has not mapped yet —
+by the caller's open descriptor (``/proc/<caller pid>/fd/<fd>``; the file has no name, so
+nothing can delete, replace or symlink it, and the worker never creates one) after checking it
+is the very file the caller made (device, inode, size) — and views each sequence's layer blocks
+in them. Before each forward the driver sends the step's placement; the forward hooks copy the
+chosen layers' rows to their final place (a side CUDA stream on GPUs) and count them. ``finish``
+waits for the copies and returns, per sequence and layer, the rows written *in this call*: the
+driver checks them against the lengths, so rows a worker did not write this call (a lost span, a
+recycled segment) are an error, never stale data.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+
+from .protocol import Begin
+
+
+class ChunkMismatch(RuntimeError):
+    """An exchange chunk the worker was told to map is not the file the caller created."""
+
+
+def map_chunk(caller_pid: int, ref):
+    """(uint8 tensor over the caller's chunk, mmap) — never creates or follows a named path."""
+    import torch
+
+    path = f"/proc/{caller_pid}/fd/{ref.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ChunkMismatch(
+            f"cannot open the caller's exchange chunk {path}: {exc.strerror} "
+            "(the worker must run on the caller's host as the same user)"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        found = (st.st_dev, st.st_ino, st.st_size)
+        if not stat.S_ISREG(st.st_mode) or found != (ref.dev, ref.ino, ref.size):
+            raise ChunkMismatch(
+                f"exchange chunk {path} is not the file the caller created: expected "
+                f"(dev, inode, bytes) {(ref.dev, ref.ino, ref.size)}, found {found}"
+            )
+        mm = mmap.mmap(fd, ref.size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8), mm
+
+
+class CaptureState:
+    """Per-worker capture state: hooks, the active buffers, this step's row placement."""
+
+    def __init__(self, worker, layer_ids):
+        self.worker = worker
+        self.layer_ids = sorted(set(layer_ids))
+        self.slot = {lid: k for k, lid in enumerate(self.layer_ids)}
+        self.handles = []
+        self.capture = False  # TP rank 0 (of each pipeline stage) only
+        self.runner_kind = None
+        self.last_v2_req_ids = None
+        self.call = None
+        self.buffers = None  # req_id -> [tensor [tokens, hidden] per captured layer]
+        self.written = None  # req_id -> [rows written this call, per captured layer]
+        self.chunks = {}  # exchange chunk id -> (uint8 tensor, mmap, page-locked?); kept across calls
+        self.step = None  # req_id -> (num_tokens, num_computed_before)
+        self.spans = None  # [(src_row, req_id, dst_row, n)] for the current step
+        self.expected_rows = 0
+        self.copy_stream = None
+        self.pinned = False
+        self.legacy_step = {}
+        self.checked = set()
+
+    # -- row placement ----------------------------------------------------------------
+    def batch_order(self) -> list[str]:
+        runner = self.worker.model_runner
+        if self.runner_kind == "v1":
+            ids = runner.input_batch.req_ids
+        else:
+            ids = self.last_v2_req_ids
+            if ids is None:
+                raise RuntimeError("V2 model runner: no batch prepared before the forward (prepare_inputs not seen)")
+        return [r for r in ids if r is not None]
+
+    def compute_spans(self) -> list[tuple]:
+        order = self.batch_order()
+        spans, src = [], 0
+        for req_id in order:
+            if req_id not in self.step:
+                raise RuntimeError(
+                    f"capture: the runner's batch holds request {req_id!r} that the driver did not schedule "
+                    f"this step (scheduled: {sorted(self.step)})"
+                )
+            n, done = self.step[req_id]
+            spans.append((src, req_id, done, n))
+            src += n
+        if src != self.expected_rows or len(order) != len(self.step):
+            raise RuntimeError(
+                f"capture: the runner's batch ({len(order)} requests, {src} rows) differs from the "
+                f"scheduled step ({len(self.step)} requests, {self.expected_rows} rows)"
+            )
+        return spans
+
+    # -- the hook -----------------------------------------------------------------------
+    def on_layer_output(self, layer_id, adapter, module, output):
+        if layer_id not in self.checked:
+            adapter.check_output(type(module), output)
+            self.checked.add(layer_id)
+        stream = adapter.residual_stream(output)
+        if self.buffers is not None:
+            if self.step is None:
+                return  # a forward outside the driver's steps (none expected): nothing placed
+            if self.spans is None:
+                self.spans = self.compute_spans()
+            self._copy_rows(self.slot[layer_id], stream)
+        else:
+            self.legacy_step[layer_id] = stream.clone()
+            if len(self.legacy_step) == len(self.layer_ids):
+                states = [self.legacy_step[lid] for lid in self.layer_ids]
+                self.legacy_step = {}
+                self.worker._store_captured_states(states)
+
+    def _copy_rows(self, slot, stream):
+        buffers, written = self.buffers, self.written
+        if stream.device.type == "cuda":
+            import torch
+
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(device=stream.device)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(stream.device))
+            stream.record_stream(self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):
+                for src, rid, d, n in self.spans:
+                    buffers[rid][slot][d : d + n].copy_(stream[src : src + n], non_blocking=self.pinned)
+                    written[rid][slot] += n
+        else:
+            for src, rid, d, n in self.spans:
+                buffers[rid][slot][d : d + n].copy_(stream[src : src + n])
+                written[rid][slot] += n
+
+    # -- RPC operations -------------------------------------------------------------------
+    def begin(self, b: Begin):
+        import torch
+
+        self.wait_copies()  # copies of a call that failed may still be in flight
+        self.end()
+        # forwards outside a driver call (vLLM's warm-up dummy run) went to speculators' own
+        # store: drop them, as speculators' _reset_capture does, so they hold no device memory
+        self.worker._captured_states = None
+        self.legacy_step = {}
+        self.call = b.call
+        if not self.capture:
+            return {"rank_captures": False}
+        live = set(b.live_chunks)
+        for chunk_id in [c for c in self.chunks if c not in live]:
+            tensor, _mm, pinned = self.chunks.pop(chunk_id)
+            if pinned:
+                _host_unregister(tensor)
+        for chunk_id, ref in b.new_chunks.items():
+            tensor, mm = map_chunk(b.caller_pid, ref)
+            pinned = bool(b.pin) and torch.cuda.is_available() and _host_register(tensor)
+            self.chunks[chunk_id] = (tensor, mm, pinned)
+        dtype = getattr(torch, b.dtype)
+        row_bytes = b.hidden * torch.empty((), dtype=dtype).element_size()
+        buffers, written, pinned = {}, {}, True
+        for req_id, (blocks, n) in b.placements.items():
+            if len(blocks) != b.layers:
+                raise ValueError(f"begin: {req_id} has {len(blocks)} layer blocks for {b.layers} layers")
+            views = []
+            for chunk_id, offset in blocks:
+                tensor, _mm, chunk_pinned = self.chunks[chunk_id]
+                pinned = pinned and chunk_pinned
+                views.append(tensor[offset : offset + n * row_bytes].view(dtype).view(n, b.hidden))
+            buffers[req_id] = views
+            written[req_id] = [0] * b.layers
+        self.buffers, self.written, self.pinned = buffers, written, pinned
+        return {"rank_captures": True, "pinned": self.pinned, "chunks": len(self.chunks)}
+
+    def set_step(self, step):
+        self.step = step
+        self.spans = None
+        self.expected_rows = sum(n for n, _ in step.values())
+
+    def wait_copies(self):
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    def finish(self):
+        """Wait for this call's copies; {req_id: [rows written per layer]} (None: rank does not capture)."""
+        import torch
+
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        elif torch.cuda.is_available():
+            torch.cuda.synchronize()
+        counts = self.written if self.capture else None
+        self.end()
+        return counts
+
+    def abort(self):
+        """Drop the call after a failure: no forward may write into its (released) memory."""
+        self.wait_copies()
+        self.end()
+
+    def end(self):
+        self.buffers = None
+        self.written = None
+        self.step = None
+        self.spans = None
+        self.pinned = False
+
+
+def _host_register(tensor) -> bool:
+    import torch
+
+    if tensor.nbytes == 0:
+        return True
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+    except Exception:  # noqa: BLE001 - unpinned copies still work, only slower
+        return False
+    rc = rc[0] if isinstance(rc, tuple) else rc
+    return int(rc) == 0
+
+
+def _host_unregister(tensor) -> None:
+    import torch
+
+    if tensor.nbytes == 0:
+        return
+    try:
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    except Exception:  # noqa: BLE001
+        pass
