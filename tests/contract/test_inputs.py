@@ -64,10 +64,12 @@ def test_bad_ids_are_one_line_on_both_paths(seqs, words):
 
 
 def test_layer_ids_duplicates_and_kinds():
-    assert check_layer_ids([3, 1, 2]) == [1, 2, 3]
+    assert check_layer_ids([3, 1, 2]) == ([1, 2, 3], [1, 2, 3])
+    # speculators' default [2, n // 2, n - 3, n - 1] on a 4-layer model
+    assert check_layer_ids([2, 2, 1, 3]) == ([1, 2, 3], [1, 2, 2, 3])
     with pytest.raises(ValueError) as info:
-        check_layer_ids([1, 3, 1])
-    assert "holds 1 more than once" in _one_line(info)
+        check_layer_ids([])
+    assert "empty" in _one_line(info)
     with pytest.raises(ValueError) as info:
         check_layer_ids([1, True])
     assert "holds True (bool)" in _one_line(info)

@@ -50,6 +50,7 @@ def test_worker_killed_mid_extraction(tmp_path):
     assert "killed by SIGKILL" in err["message"], err["message"]
     assert "speculators-compat" in err["message"], err["message"]
     assert r["seconds_to_error"] < BOUND_S + 30, r["seconds_to_error"]
+    _later_call_says_unusable(r)
     assert r["workers_alive_after_error"] == [], r["workers_alive_after_error"]
     assert r["orphans_after_shutdown"] == [], r["orphans_after_shutdown"]
 
@@ -67,4 +68,38 @@ def test_worker_stuck_mid_extraction(tmp_path):
     assert "speculators-compat" in err["message"], err["message"]
     assert "is stopped" in err["message"], err["message"]
     assert BOUND_S - 5 <= r["seconds_to_error"] < 2 * BOUND_S + 30, r["seconds_to_error"]
+    _later_call_says_unusable(r)
     assert r["orphans_after_shutdown"] == [], r["orphans_after_shutdown"]
+
+
+def _later_call_says_unusable(r):
+    """After a dead or stopped worker, every later call says so in one line, never returns states."""
+    later = r["later_call"]
+    assert later is not None, "a call after the fault returned states from a broken engine"
+    assert later["type"] == "GeneratorUnusable", later
+    assert "\n" not in later["message"] and "cannot be used any more" in later["message"], later["message"]
+
+
+def test_generator_survives_faults(tmp_path):
+    """One engine, many faults (Ctrl-C at every reply read of a call, rows a worker did not write,
+    an exception inside a worker, a bad capture re-setup, exchange memory the kernel refuses,
+    two threads at once): each is an error (or, for the threads, two right answers) and the next
+    call's states are identical to a clean call's."""
+    r = _fault(tmp_path, "recover")
+    cases = r["cases"]
+    assert r["reply_reads_per_call"] >= 6, r["reply_reads_per_call"]
+    interrupts = [n for n in cases if n.startswith("interrupt_at_read_")]
+    assert len(interrupts) == r["reply_reads_per_call"]
+    for name, case in cases.items():
+        assert case["next_call_identical"], (name, case)
+        if name.startswith("interrupt_at_read_"):
+            assert case["error"] and case["error"]["type"] == "KeyboardInterrupt", (name, case)
+    assert "not written in full" in cases["rows_not_written"]["error"]["message"], cases["rows_not_written"]
+    worker = cases["worker_exception"]["error"]
+    assert worker["type"] == "ExtractionError" and "ValueError: injected fault" in worker["message"], worker
+    assert "worker traceback" in worker["message"] and "set_step" in worker["message"], worker
+    assert cases["setup_rerun_bad_layer"]["error"] and "99" in cases["setup_rerun_bad_layer"]["error"]["message"]
+    full = cases["exchange_memory_full"]["error"]
+    assert full["type"] == "ExchangeError" and "\n" not in full["message"], full
+    assert "cannot reserve" in full["message"] and "SPECULATORS_COMPAT_SHM_DIR" in full["message"], full
+    assert cases["two_threads"]["error"] is None and r["two_threads"] == {"a": True, "b": True}, r["two_threads"]

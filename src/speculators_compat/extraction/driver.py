@@ -71,7 +71,7 @@ def generate(self, token_ids):
         broken = getattr(self, BROKEN_ATTR, None)
         if broken:
             raise GeneratorUnusable(
-                f"this generator cannot be used any more: {broken}. Create a new VllmHiddenStatesGenerator.\n[{context()}]"
+                f"this generator cannot be used any more: {broken}. Create a new VllmHiddenStatesGenerator."
             )
         return _generate(self, token_ids)
 
@@ -82,7 +82,7 @@ def _generate(self, token_ids):
     module = sys.modules[GENERATOR]
     log = module.log
     seqs = inputs.sequences(token_ids)
-    layer_ids = inputs.check_layer_ids(self.layer_ids)
+    layer_ids, requested = inputs.check_layer_ids(self.layer_ids)
     log.debug(f"Generating hidden states for {len(seqs)} sequences")
     model_config = self.vllm_config.model_config
     max_len = model_config.max_model_len - module.MAX_DECODE_TOKENS
@@ -98,6 +98,7 @@ def _generate(self, token_ids):
     dtype = model_config.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     nlayers = len(layer_ids)
+    slot = {lid: k for k, lid in enumerate(layer_ids)}
     call = self._request_counter
     self._request_counter += 1  # ids of a failed call are never reused
     req_ids = [f"req_{call}_{i}" for i in range(len(seqs))]
@@ -148,6 +149,8 @@ def _generate(self, token_ids):
                 view = pool.lease_view(placements[(rid, k)], n * row_bytes)
                 handed.add((rid, k))
                 states.append(torch.frombuffer(view, dtype=dtype).view(n, hidden))
+            if len(requested) != nlayers:  # a repeated id: its layer's tensor again
+                states = [states[slot[lid]] for lid in requested]
             ids_tensor = id_tensors[i] if id_tensors is not None else torch.as_tensor(seqs[i], dtype=torch.long)
             if ids_tensor.shape[0] != n:  # truncated: a copy, not a view holding the whole prompt
                 ids_tensor = ids_tensor[:n].clone()

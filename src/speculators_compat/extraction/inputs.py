@@ -107,15 +107,16 @@ def check_token_ids(seqs, vocab_size: int, tensors=None) -> None:
             )
 
 
-def check_layer_ids(layer_ids) -> list[int]:
-    """The captured layers in capture order (ascending), or a one-line ValueError."""
+def check_layer_ids(layer_ids) -> tuple[list[int], list[int]]:
+    """(the distinct layers captured, ascending; one entry per requested id, ascending), or a
+    one-line ValueError. speculators' own default ``[2, n // 2, n - 3, n - 1]`` repeats a layer
+    on small models: a repeated id gets its layer's tensor again, so ``hidden_states`` always
+    holds as many tensors as ids were asked for (speculators returns one per distinct layer)."""
     ids = list(layer_ids)
+    if not ids:
+        raise ValueError("layer_ids is empty: name at least one decoder layer to capture")
     for lid in ids:
         if isinstance(lid, bool) or not isinstance(lid, Integral):
             raise ValueError(f"layer_ids holds {lid!r} ({type(lid).__name__}): layer ids must be integers")
-    seen = set()
-    for lid in ids:
-        if lid in seen:
-            raise ValueError(f"layer_ids holds {lid} more than once: each layer is captured once, pass distinct ids")
-        seen.add(lid)
-    return sorted(int(x) for x in ids)
+    requested = sorted(int(x) for x in ids)
+    return sorted(set(requested)), requested

@@ -70,7 +70,7 @@ def setup_hidden_states_capture(self, layer_ids):
 
     from ..extraction.inputs import check_layer_ids
 
-    check_layer_ids(layer_ids)
+    check_layer_ids(layer_ids)  # kinds only: a repeated id is captured once
     runner = self.model_runner
     if hasattr(runner, "input_batch"):
         runner_kind = "v1"

@@ -178,7 +178,7 @@ def run(args, progress=None) -> dict:
 
     say("computing the HF transformers reference (forward hooks on the decoder layers)")
     captured_dtype = outputs["mixed"][0]["hidden_states"][0].dtype
-    ids = sorted(set(generator.layer_ids))
+    ids = sorted(generator.layer_ids)  # one tensor per requested id (a repeated id: its layer again)
     result["layer_ids"] = ids
     result["dtype"] = str(captured_dtype).replace("torch.", "")
     max_keep = args.max_model_len - 1

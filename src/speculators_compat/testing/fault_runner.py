@@ -67,7 +67,209 @@ def orphans() -> list[dict]:
     return [d for d in descendants() if not d["helper"]]
 
 
+def _outcome(exc) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(
+        len(x["hidden_states"]) == len(y["hidden_states"])
+        and all(torch.equal(p, q) for p, q in zip(x["hidden_states"], y["hidden_states"]))
+        for x, y in zip(a, b)
+    )
+
+
+def _on_workers(gen, fn):
+    """Run ``fn(worker)`` in every vLLM worker (vLLM pickles the function)."""
+    return gen.executor.collective_rpc(fn)
+
+
+def _arm_skip_rows(worker):
+    """Worker side: the next step's first span is not copied (rows lost in this call)."""
+    state = worker._speculators_compat_capture
+    original = type(state)._copy_rows
+
+    def copy_rows(slot, stream):
+        spans = state.spans
+        state.spans = spans[1:]
+        try:
+            original(state, slot, stream)
+        finally:
+            state.spans = spans
+        if slot == len(state.layer_ids) - 1:
+            del state._copy_rows  # once: back to the class's method
+
+    state._copy_rows = copy_rows
+    return True
+
+
+def _arm_step_error(worker):
+    """Worker side: the next placement RPC raises (an exception inside a real vLLM worker)."""
+    state = worker._speculators_compat_capture
+
+    def set_step(step):
+        del state.set_step
+        raise ValueError("injected fault in the worker's set_step")
+
+    state.set_step = set_step
+    return True
+
+
+def run_recover(args) -> dict:
+    """Faults the generator must survive on ONE engine: after each, the next call gives states
+    identical to a clean call (or, where it cannot, a one-line error on every later call)."""
+    import resource
+    import threading
+
+    import speculators_compat
+    from speculators_compat.extraction.errors import ExtractionError
+    from speculators_compat.testing import tiny_models
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["SPECULATORS_COMPAT_RPC_TIMEOUT"] = str(args.timeout)
+    for key, value in tiny_models.vllm_env("llama", "cpu").items():
+        os.environ.setdefault(key, value)
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    from speculators_compat.versions import installed_versions
+
+    result: dict = {"versions": {k: v.version for k, v in installed_versions().items()}, "cases": {}}
+    model_dir = tiny_models.build_tiny_model("llama", num_layers=4, hidden_size=128)
+    gen = VllmHiddenStatesGenerator(str(model_dir), layer_ids=[1, 2, 3], max_model_len=4096)
+    # several scheduler steps (> max_num_batched_tokens), more than ten sequences
+    batch = [[(7 * i + j) % 900 + 4 for j in range(300 + 97 * i)] for i in range(12)]
+    clean = gen.generate(batch)
+    result["steps_per_call"] = gen._speculators_compat_timings.get("iterations")
+    result["driver"] = gen._speculators_compat_timings.get("driver")
+
+    def case(name, action):
+        entry: dict = {}
+        t0 = time.perf_counter()
+        try:
+            action()
+            entry["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - the outcome under test
+            entry["error"] = _outcome(exc)
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        try:
+            after = gen.generate(batch)
+            entry["next_call_identical"] = _same(after, clean)
+        except BaseException as exc:  # noqa: BLE001
+            entry["next_call_identical"] = False
+            entry["next_call_error"] = _outcome(exc)
+        result["cases"][name] = entry
+        print(f"fault case {name}: {entry}", file=sys.stderr, flush=True)
+
+    # 1. Ctrl-C while the caller waits for a worker's reply, at each read of a call: the reply
+    #    stays queued (the desynchronised queue a naive retry would misread)
+    mq = gen.executor.response_mqs[0]
+    reads = {"n": 0}
+    original_dequeue = mq.dequeue
+
+    def counting(*a, **kw):
+        reads["n"] += 1
+        return original_dequeue(*a, **kw)
+
+    mq.dequeue = counting
+    gen.generate(batch)
+    per_call = reads["n"]
+    del mq.dequeue
+    result["reply_reads_per_call"] = per_call
+    for k in range(1, per_call + 1):
+        def interrupt_at(k=k):
+            seen = {"n": 0}
+
+            def dequeue(*a, **kw):
+                seen["n"] += 1
+                if seen["n"] == k:
+                    del mq.dequeue
+                    raise KeyboardInterrupt(f"injected at reply read {k}")
+                return original_dequeue(*a, **kw)
+
+            mq.dequeue = dequeue
+            try:
+                gen.generate(batch)
+            finally:
+                mq.__dict__.pop("dequeue", None)
+
+        case(f"interrupt_at_read_{k}", interrupt_at)
+
+    # 2. a worker writes fewer rows than scheduled (one span lost): the written-rows check fires
+    def lost_rows():
+        _on_workers(gen, _arm_skip_rows)
+        gen.generate(batch)
+
+    case("rows_not_written", lost_rows)
+
+    # 3. an exception raised inside a real vLLM worker reaches the caller whole
+    def worker_raises():
+        _on_workers(gen, _arm_step_error)
+        gen.generate(batch)
+
+    case("worker_exception", worker_raises)
+
+    # 4. a re-run of the capture set-up with a bad layer id must leave the capture as it was
+    def bad_setup():
+        keep = gen.layer_ids
+        gen.layer_ids = [1, 99]
+        try:
+            gen._setup_capture()
+        finally:
+            gen.layer_ids = keep
+
+    case("setup_rerun_bad_layer", bad_setup)
+
+    # 5. exchange memory really full: the kernel refuses the file size (RLIMIT_FSIZE), in a call
+    #    that needs a new chunk
+    big = batch * 12  # > the 64 MiB chunk the pool holds: a new chunk is needed
+
+    def memory_full():
+        import signal as _signal
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        old = _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+        try:
+            gen.generate(big)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            _signal.signal(_signal.SIGXFSZ, old)
+
+    case("exchange_memory_full", memory_full)
+
+    # 6. two threads call generate at once: serialised, both right
+    outs: dict = {}
+
+    def worker_thread(name):
+        try:
+            outs[name] = _same(gen.generate(batch), clean)
+        except BaseException as exc:  # noqa: BLE001
+            outs[name] = _outcome(exc)
+
+    def two_threads():
+        threads = [threading.Thread(target=worker_thread, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        result["two_threads"] = outs
+        if outs != {"a": True, "b": True}:
+            raise ExtractionError(f"concurrent calls: {outs}")
+
+    case("two_threads", two_threads)
+    result["patches"] = [r["id"] for r in speculators_compat.report() if r["status"] == "applied"]
+    try:
+        gen.executor.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    return result
+
+
 def run(args) -> dict:
+    if args.fault == "recover":
+        return run_recover(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["SPECULATORS_COMPAT_RPC_TIMEOUT"] = str(args.timeout)
     # engine steps are bounded by vLLM's own execute_model timeout (default 300 s)
@@ -146,6 +348,11 @@ def run(args) -> dict:
         }
     result["seconds_to_error"] = time.perf_counter() - t0
     result["steps_started"] = calls["n"]
+    try:  # a later call must say, in one line, that this generator cannot be used
+        gen.generate([[5, 6, 7, 8] * 10])
+        result["later_call"] = None
+    except BaseException as exc:  # noqa: BLE001 - the outcome under test
+        result["later_call"] = {"type": type(exc).__name__, "message": str(exc)}
     time.sleep(1.0)
     result["alive_after_error"] = descendants()
     result["workers_alive_after_error"] = [d for d in orphans() if d["pid"] in workers]
@@ -174,7 +381,12 @@ def main(argv=None) -> int:
         default=60.0,
         help="SPECULATORS_COMPAT_RPC_TIMEOUT and VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for this run",
     )
-    p.add_argument("--fault", choices=("kill", "stop"), default="kill", help="SIGKILL (dead) or SIGSTOP (stuck) the workers")
+    p.add_argument(
+        "--fault",
+        choices=("kill", "stop", "recover"),
+        default="kill",
+        help="SIGKILL (dead) or SIGSTOP (stuck) the workers; recover: the battery of faults the generator must survive",
+    )
     args = p.parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
