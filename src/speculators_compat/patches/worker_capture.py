@@ -13,14 +13,16 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
 - Model Runner V2 (default for some architectures from 0.22, all from 0.29) has no
   ``model_runner.input_batch`` and orders each step's requests by scheduled tokens. Capture
   places each step's rows by the runner's own row order: V1 ``input_batch.req_ids``; V2 the
-  ``req_ids`` of the batch its ``prepare_inputs`` returns (read through an instance wrapper on
-  this worker's runner only). Anything else is a clear error at setup.
+  ``req_ids`` of the batch its ``prepare_inputs`` returns (the ``worker-v2-batch-order`` patch
+  wraps ``GPUModelRunner.prepare_inputs`` when vLLM imports the V2 runner; only a runner whose
+  capture is set up is read). Anything else is a clear error at setup.
 - Data path: instead of pickling every captured tensor through one RPC (measured: 1.7–2.0 s of
-  a 2.1 s batch on an H200), the driver leases one shared-memory block [layers, tokens, hidden]
-  per sequence from its exchange pool (``speculators_compat.exchange``); the worker maps each
-  pool chunk once (page-locked on GPUs) and copies each step's rows straight to their final
-  place (input order, one contiguous block per sequence and layer), from a side CUDA stream on
-  GPUs. The RPCs carry only small metadata.
+  a 2.1 s batch on an H200), the driver leases one shared-memory block [tokens, hidden] per
+  sequence and layer from its exchange pool (``speculators_compat.exchange``); the worker maps
+  each pool chunk once (by the caller's descriptor, identity checked; page-locked on GPUs) and
+  copies each step's rows straight to their final place, from a side CUDA stream on GPUs,
+  counting them: the driver checks every block was written in full in this call
+  (``speculators_compat.extraction.capture``). The RPCs carry only small metadata.
 Speculators' own ``_reset_capture``/``_get_captured_states`` keep working (legacy path) when no
 shared buffer is active.
 """
@@ -44,21 +46,53 @@ logger = logging.getLogger("speculators_compat")
 STATE_ATTR = "_speculators_compat_capture"
 
 
-def _install_v2_order_tap(state, runner):
-    """Wrap this runner instance's prepare_inputs to remember the step's row order."""
-    original = runner.prepare_inputs
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+ORDER_ATTR = "_speculators_compat_order"  # on a V2 runner instance: the CaptureState to tell
 
-    def prepare_inputs(*args, **kwargs):
-        batch = original(*args, **kwargs)
+
+def _prepare_inputs_tap(wrapped, instance, args, kwargs):
+    """GPUModelRunner.prepare_inputs (V2), as vLLM wrote it, then: tell this runner's capture
+    (if any) the row order of the batch it prepared."""
+    batch = wrapped(*args, **kwargs)
+    state = getattr(instance, ORDER_ATTR, None)
+    if state is not None:
         req_ids = getattr(batch, "req_ids", None)
         if req_ids is None:
             raise RuntimeError(
                 f"V2 model runner: expected prepare_inputs to return a batch with req_ids; found {type(batch).__name__}"
             )
         state.last_v2_req_ids = list(req_ids)
-        return batch
+    return batch
 
-    runner.prepare_inputs = prepare_inputs
+
+def _probe_prepare_inputs(current):
+    params = parameters(current)
+    if params is None or "scheduler_output" not in params:
+        return f"expected GPUModelRunner.prepare_inputs(self, scheduler_output, ...) (V2); found {current!r}"
+    try:
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+    except ImportError as exc:
+        return f"expected vllm.v1.worker.gpu.input_batch.InputBatch (V2 batch); import failed: {exc}"
+    fields = getattr(InputBatch, "__dataclass_fields__", None) or getattr(InputBatch, "__annotations__", {})
+    if "req_ids" not in fields:
+        return f"expected the V2 InputBatch to carry req_ids (the batch's row order); found fields {sorted(fields)[:12]}"
+    return None
+
+
+def _attach_v2_order(state, runner) -> None:
+    """Route this V2 runner's batch order to ``state`` through the registry's patch."""
+    method = getattr(type(runner), "prepare_inputs", None)
+    wrapper = getattr(method, "_self_wrapper", None)
+    if wrapper is not _prepare_inputs_tap:
+        import speculators_compat
+
+        status = next((r for r in speculators_compat.report() if r["id"] == "worker-v2-batch-order"), {})
+        raise RuntimeError(
+            f"capture: the V2 model runner {type(runner).__qualname__}.prepare_inputs is not wrapped by the "
+            f"worker-v2-batch-order patch (status {status.get('status')!r}: {status.get('detail')}); rows cannot be "
+            "placed in batch order"
+        )
+    setattr(runner, ORDER_ATTR, state)
 
 
 def setup_hidden_states_capture(self, layer_ids):
@@ -108,7 +142,7 @@ def setup_hidden_states_capture(self, layer_ids):
     self._request_metadata = []
     self._current_request_metadata = None
     if runner_kind == "v2":
-        _install_v2_order_tap(state, runner)
+        _attach_v2_order(state, runner)
     if state.capture:
         for lid in state.layer_ids:
             if start <= lid < end:
@@ -200,6 +234,14 @@ def _probe_rpc(current):
 
 
 PATCHES = [
+    wrapper_patch(
+        "worker-v2-batch-order",
+        "layer-calling",
+        V2_RUNNER,
+        "GPUModelRunner.prepare_inputs",
+        _prepare_inputs_tap,
+        _probe_prepare_inputs,
+    ),
     wrapper_patch(
         "worker-capture-hooks",
         "layer-calling",
