@@ -10,7 +10,6 @@ README's table of variables is checked against ``SETTINGS`` (tests/unit/test_set
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 __all__ = ["SETTINGS", "Setting", "SettingError", "get", "flag", "number", "text"]
 
@@ -22,13 +21,14 @@ class SettingError(ValueError):
     """An environment variable of speculators-compat holds a value it does not accept."""
 
 
-@dataclass(frozen=True)
 class Setting:
-    name: str
-    kind: str  # "flag" | "number" | "text"
-    default: object
-    doc: str
-    minimum: float | None = None  # numbers: strictly greater than this (None: any)
+    """One variable: ``kind`` is "flag", "number" or "text"; numbers must exceed ``minimum``.
+    (A plain class: ``dataclasses`` would cost ~10 ms at ``import speculators_compat``.)"""
+
+    __slots__ = ("name", "kind", "default", "doc", "minimum")
+
+    def __init__(self, name: str, kind: str, default: object, doc: str, minimum: float | None = None):
+        self.name, self.kind, self.default, self.doc, self.minimum = name, kind, default, doc, minimum
 
 
 SETTINGS: dict[str, Setting] = {
