@@ -28,8 +28,8 @@ def _valid(**overrides) -> dict:
     data = {
         "schema": 1,
         "patches": {
-            "alpha": {"family": "kv-cache", "why": "alpha why", "vllm": ">=0.12"},
-            "beta": {"family": "config", "why": "beta why", "speculators": ">=0.3.0,<0.5"},
+            "alpha": {"why": "alpha why", "vllm": ">=0.12"},
+            "beta": {"why": "beta why", "speculators": ">=0.3.0,<0.5", "requires": ["alpha"]},
         },
         "tested": [
             {"speculators": "0.4.1", "vllm": "0.12.0", "status": "verified", "platform": "cpu", "evidence": "run 1"},
@@ -65,7 +65,8 @@ def test_shipped_matrix_validates_against_real_patch_ids(clean_env):
     assert m.path == str(SHIPPED_MATRIX)
     for pid, rng in m.patches.items():
         assert rng.id == pid
-        assert rng.family.strip() and rng.why.strip()
+        assert rng.why.strip()
+        assert set(rng.requires) <= ids and pid not in rng.requires
         assert set(rng.ranges) <= {"speculators", "vllm", "transformers", "torch"}
     for row in m.tested:
         assert row.status in TESTED_STATUSES
@@ -94,8 +95,9 @@ def test_shipped_matrix_marks_speculators_05_not_applicable(clean_env):
 def test_valid_matrix_parses_to_records():
     m = _parse(_valid())
     assert m.path == "m.yaml"
-    assert m.patches["alpha"] == PatchRange("alpha", "kv-cache", "alpha why", {"vllm": SpecifierSet(">=0.12")})
+    assert m.patches["alpha"] == PatchRange("alpha", "alpha why", {"vllm": SpecifierSet(">=0.12")})
     assert m.patches["beta"].ranges == {"speculators": SpecifierSet(">=0.3.0,<0.5")}
+    assert m.patches["beta"].requires == ("alpha",) and m.patches["alpha"].requires == ()
     assert m.tested == (M.TestedPair("0.4.1", "0.12.0", "verified", "cpu", "run 1", ""),)
     assert m.not_applicable == ((SpecifierSet(">=0.5"), "removed in 0.5"),)
     assert m.newest_tested_vllm() == Version("0.12.0")
@@ -175,11 +177,34 @@ def test_partial_file_without_patches():
     assert msg == "m.yaml: patches: no entry for patch id 'alpha'"
 
 
-@pytest.mark.parametrize("key", ["family", "why"])
-def test_patch_missing_required_key(key):
+def test_patch_missing_required_key():
     data = _valid()
-    del data["patches"]["alpha"][key]
-    assert _error(data) == f"m.yaml: patches.alpha: missing key {key!r}"
+    del data["patches"]["alpha"]["why"]
+    assert _error(data) == "m.yaml: patches.alpha: missing key 'why'"
+
+
+def test_family_is_declared_in_code_not_in_the_matrix():
+    data = _valid()
+    data["patches"]["alpha"]["family"] = "kv-cache"
+    msg = _error(data)
+    assert msg.startswith("m.yaml: patches.alpha: unknown key 'family' (allowed: ")
+    assert msg.endswith("a patch's family is declared in its code (Patch.family), not here")
+
+
+@pytest.mark.parametrize(
+    "requires, message",
+    [
+        (["gamma"], "m.yaml: patches.beta.requires: unknown patch id 'gamma'"),
+        (["beta"], "m.yaml: patches.beta.requires: a patch cannot require itself"),
+        (["alpha", "alpha"], "m.yaml: patches.beta.requires: a patch id is listed twice"),
+        ("alpha", "m.yaml: patches.beta.requires: expected a list of patch ids, found 'alpha'"),
+        ([1], "m.yaml: patches.beta.requires: expected a list of patch ids, found [1]"),
+    ],
+)
+def test_requires_is_validated(requires, message):
+    data = _valid()
+    data["patches"]["beta"]["requires"] = requires
+    assert _error(data) == message
 
 
 def test_patch_empty_why():
@@ -224,7 +249,7 @@ def test_specifier_must_be_a_string():
 
 def test_unknown_patch_id():
     data = _valid()
-    data["patches"]["gamma"] = {"family": "x", "why": "y"}
+    data["patches"]["gamma"] = {"why": "y"}
     assert _error(data) == "m.yaml: patches.gamma: unknown patch id (no such patch in code)"
 
 
@@ -238,16 +263,16 @@ def test_duplicate_patch_id_is_refused_not_collapsed():
     text = matrix_text({"alpha": {}, "beta": {}})
     lines = text.splitlines()
     start = lines.index("  alpha:")
-    dup = lines[start : start + 3]  # alpha: / family / why
-    assert dup[1].strip().startswith("family") and dup[2].strip().startswith("why")
-    text = "\n".join(lines[: start + 3] + dup + lines[start + 3 :]) + "\n"
+    dup = lines[start : start + 2]  # alpha: / why
+    assert dup[1].strip().startswith("why")
+    text = "\n".join(lines[: start + 2] + dup + lines[start + 2 :]) + "\n"
     msg = _error(text)
     assert "duplicate key 'alpha'" in msg
     assert msg.startswith("m.yaml: duplicate key 'alpha' (line ")
 
 
 def test_duplicate_key_inside_patch():
-    text = "schema: 1\npatches:\n  alpha:\n    family: a\n    why: b\n    why: c\n  beta: {family: a, why: b}\n"
+    text = "schema: 1\npatches:\n  alpha:\n    vllm: '>=0.12'\n    why: b\n    why: c\n  beta: {why: b}\n"
     msg = _error(text)
     assert msg == "m.yaml: duplicate key 'why' (line 6; first at line 5)"
 
