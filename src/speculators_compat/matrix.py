@@ -72,8 +72,16 @@ def _q(value) -> str:
     return _repr.repr(value)
 
 
+MAX_FLOW_DEPTH = 32  # [ { nesting: PyYAML's scanner slows quadratically with it
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys, anchors and aliases."""
+    """SafeLoader that refuses duplicate mapping keys, anchors, aliases and deep [ { nesting."""
+
+    def fetch_flow_collection_start(self, TokenClass):
+        super().fetch_flow_collection_start(TokenClass)
+        if self.flow_level > MAX_FLOW_DEPTH:
+            raise MatrixError(f"line {self.line + 1}: nested deeper than {MAX_FLOW_DEPTH} levels")
 
     def compose_node(self, parent, index):
         event = self.peek_event()

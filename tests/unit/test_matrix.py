@@ -378,3 +378,100 @@ def test_user_matrix_missing_file(clean_env, tmp_path):
     with pytest.raises(MatrixError) as info:
         load_matrix(known_ids=IDS)
     assert str(info.value).startswith(f"{path}: cannot read the matrix file (")
+
+
+# -- limits: size, anchors/aliases, bounded messages ---------------------------------------
+
+_LAYERS = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] + [
+    f"&{n} [{','.join(['*' + p] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi")
+]
+# issue #16's bomb: a why whose repr() (in the "expected a string" error) is 9**9 * 5 lols
+_BOMB = "schema: 1\npatches:\n  alpha: {why: a}\n  beta:\n    why: [" + ", ".join(_LAYERS) + "]\n"
+
+
+def _timed_error(fn) -> tuple[str, float]:
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(MatrixError) as info:
+        fn()
+    return str(info.value), time.perf_counter() - start
+
+
+@pytest.mark.parametrize("where", ["text", "file", "env"])
+def test_alias_bomb_is_refused_at_once_in_one_line(where, tmp_path, clean_env):
+    assert len(_BOMB) < 1024
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_BOMB)
+    clean_env.setenv("SPECULATORS_COMPAT_MATRIX", str(path))
+    fn = {
+        "text": lambda: parse_matrix(_BOMB, "m.yaml", IDS),
+        "file": lambda: load_matrix(path, known_ids=IDS),
+        "env": lambda: load_matrix(known_ids=IDS),
+    }[where]
+    msg, seconds = _timed_error(fn)
+    assert seconds < 0.2, seconds
+    assert msg.endswith(": line 5: YAML anchor 'a' refused (the matrix allows no anchors or aliases)"), msg
+    assert "\n" not in msg and len(msg) <= M.MAX_MESSAGE
+
+
+def test_an_alias_alone_is_refused_too():
+    text = yaml.safe_dump(_valid(), sort_keys=False) + "extra: *nowhere\n"
+    line = text.count("\n")
+    assert _error(text) == f"m.yaml: line {line}: YAML alias 'nowhere' refused (the matrix allows no anchors or aliases)"
+
+
+def test_a_50_mb_file_is_refused_unread(tmp_path):
+    path = tmp_path / "big.yaml"
+    with open(path, "w") as f:
+        f.write(yaml.safe_dump(_valid(), sort_keys=False))
+        f.write("# " + "x" * (50 * 1024 * 1024) + "\n")
+    msg, seconds = _timed_error(lambda: load_matrix(path, known_ids=IDS))
+    assert seconds < 0.5, seconds
+    assert msg == f"{path}: over the 1048576-byte limit of a matrix file; refused unread"
+    msg, seconds = _timed_error(lambda: parse_matrix(path.read_text(), "m.yaml", IDS))
+    assert seconds < 0.5, seconds
+    assert msg == f"m.yaml: {path.stat().st_size} characters, over the 1048576-byte limit of a matrix file"
+
+
+def test_a_file_just_under_the_cap_still_loads(tmp_path):
+    path = tmp_path / "ok.yaml"
+    text = yaml.safe_dump(_valid(), sort_keys=False)
+    path.write_text(text + "#" * (M.MAX_BYTES - len(text) - 1) + "\n")
+    assert path.stat().st_size == M.MAX_BYTES
+    assert set(load_matrix(path, known_ids=IDS).patches) == IDS
+
+
+def test_errors_quote_huge_values_in_a_few_hundred_characters():
+    data = _valid()
+    data["patches"]["alpha"]["why"] = [{"k": "x" * 1000 + str(i)} for i in range(800)]  # ~800 KB if repr()'d whole
+    msg = _error(data)
+    assert msg.startswith("m.yaml: patches.alpha.why: expected a non-empty string, found [")
+    assert len(msg) <= M.MAX_MESSAGE
+    data = _valid()
+    data["patches"]["alpha"]["y" * 10_000] = 1
+    msg = _error(data)
+    assert msg.startswith("m.yaml: patches.alpha: unknown key 'yyyy") and len(msg) <= M.MAX_MESSAGE
+
+
+@pytest.mark.parametrize("opener", ["[", "{a: "])
+def test_deep_nesting_is_refused_at_once_in_one_line(opener):
+    text = "schema: 1\npatches: " + opener * 200_000 + "\n"
+    assert len(text) < M.MAX_BYTES
+    msg, seconds = _timed_error(lambda: parse_matrix(text, "m.yaml", IDS))
+    assert seconds < 0.2, seconds
+    assert msg == "m.yaml: line 2: nested deeper than 32 levels"
+
+
+def test_deep_block_nesting_is_one_line_error():
+    text = "schema: 1\npatches:\n" + "".join(" " * (i + 1) + f"k{i}:\n" for i in range(1200))
+    assert len(text) < M.MAX_BYTES
+    msg, seconds = _timed_error(lambda: parse_matrix(text, "m.yaml", IDS))
+    assert seconds < 1, seconds
+    assert msg == "m.yaml: not valid YAML: nested too deeply"
+
+
+def test_tested_row_text_fields_must_be_text():
+    data = _valid()
+    data["tested"][0]["evidence"] = {"nested": ["x"] * 10}
+    assert _error(data) == "m.yaml: tested[0].evidence: expected text, found a dict"

@@ -742,3 +742,72 @@ def test_worker_rpc_errors_come_back_as_values_with_their_traceback():
     assert reply["type"] == "RuntimeError"
     assert reply["message"] == "capture not set up: call _setup_hidden_states_capture first"
     assert "Traceback" in reply["traceback"] and reply["pid"] > 0
+
+
+# -- declared dependencies (requires:) ---------------------------------------------------
+
+
+def _dependent_pair(fake_modules, dep_range=None):
+    name = fake_modules.write(SOURCE)
+    driver, _ = counted_patch("driver", name)
+    args, _ = counted_patch("args", name, attribute="C.m")
+    ranges = {"driver": {"requires": ["args"]}, "args": dep_range or {}}
+    return make_registry([driver, args], ranges=ranges)
+
+
+def test_excluding_a_required_patch_is_a_one_line_error_naming_both(fake_modules):
+    reg = _dependent_pair(fake_modules)
+    with pytest.raises(ValueError) as info:
+        reg.configure(strict=False, selection="-args")
+    assert str(info.value) == (
+        "SPECULATORS_COMPAT_PATCHES='-args' excludes 'args', which patch 'driver' requires "
+        "(declared in fake_matrix.yaml); leave out 'driver' too, or keep 'args'"
+    )
+    assert reg.excluded == set() and reg.selected is None  # the refused selection is not kept
+
+
+def test_selecting_a_patch_without_what_it_requires_is_refused(fake_modules):
+    reg = _dependent_pair(fake_modules)
+    with pytest.raises(ValueError, match=r"^SPECULATORS_COMPAT_PATCHES='driver' does not select 'args', which patch 'driver' requires"):
+        reg.configure(strict=False, selection="driver")
+    reg.configure(strict=False, selection="driver,args")
+    assert reg.selected == {"driver", "args"}
+    reg.configure(strict=False, selection="-driver,-args")  # leaving out both is fine
+    reg.configure(strict=False, selection="args")  # the required one alone is fine
+    assert reg.selected == {"args"}
+
+
+def test_a_requirement_ranged_out_by_version_may_be_excluded(fake_modules):
+    # like request-args (vLLM >= 0.17) for generate-driver: not needed where out of range
+    reg = _dependent_pair(fake_modules, dep_range={"vllm": ">=0.17"})  # installed: 0.12.0
+    reg.configure(strict=False, selection="-args")
+    assert reg.excluded == {"args"}
+    in_range = _dependent_pair(fake_modules, dep_range={"vllm": ">=0.12"})
+    with pytest.raises(ValueError, match="excludes 'args', which patch 'driver' requires"):
+        in_range.configure(strict=False, selection="-args")
+
+
+def test_shipped_dependencies_generate_driver_needs_request_args_from_vllm_017(clean_env):
+    """The real patches and the shipped matrix: -request-args is refused where vLLM >= 0.17
+    (generate-driver passes eos_token_id=), allowed below."""
+    from speculators_compat.matrix import load_matrix
+    from speculators_compat.patches import all_patches
+    from speculators_compat.registry import Registry
+
+    def registry(vllm):
+        vs = installed(speculators="0.4.0.1", vllm=vllm)
+        reg = Registry(matrix_loader=lambda ids: load_matrix(known_ids=ids), versions_reader=lambda: vs)
+        for p in all_patches():
+            reg.register(p)
+        return reg
+
+    with pytest.raises(ValueError) as info:
+        registry("0.32.0").configure(strict=False, selection="-request-args")
+    assert str(info.value).startswith(
+        "SPECULATORS_COMPAT_PATCHES='-request-args' excludes 'request-args', which patch 'generate-driver' requires"
+    )
+    registry("0.16.0").configure(strict=False, selection="-request-args")
+    # generate-driver out as well: then async-scheduling (which requires it) must go too
+    with pytest.raises(ValueError, match="excludes 'generate-driver', which patch 'async-scheduling' requires"):
+        registry("0.32.0").configure(strict=False, selection="-request-args,-generate-driver")
+    registry("0.32.0").configure(strict=False, selection="-request-args,-generate-driver,-async-scheduling")
