@@ -247,3 +247,37 @@ def test_mixed_patch_selection_is_a_one_line_error_at_import():
         f"ValueError: speculators_compat: SPECULATORS_COMPAT_PATCHES={value!r}: mix of selected and "
         "excluded ids; use one kind"
     )
+
+
+def test_strict_failure_at_the_first_target_re_arms_through_the_package(tmp_path):
+    """The real lazy path in strict mode: the generator module's patches fail (here: the user's
+    matrix file is missing), its import is refused; a retried import is refused again instead
+    of succeeding unpatched (it succeeded silently with the one-shot trigger + wrapt hooks)."""
+    gen = tmp_path / "speculators" / "data_generation"
+    gen.mkdir(parents=True)
+    (tmp_path / "speculators" / "__init__.py").write_text("")
+    (gen / "__init__.py").write_text("")
+    (gen / "vllm_hidden_states_generator.py").write_text("MARK = 1\n")
+    code = """
+        import json, sys, warnings
+        warnings.simplefilter("ignore")
+        import speculators_compat
+        outcomes = []
+        for _ in range(2):
+            try:
+                import speculators.data_generation.vllm_hidden_states_generator
+                outcomes.append("imported")
+            except Exception as exc:
+                outcomes.append(type(exc).__name__)
+        name = "speculators.data_generation.vllm_hidden_states_generator"
+        print(json.dumps({"outcomes": outcomes, "in_sys_modules": name in sys.modules}))
+    """
+    env = subprocess_env(
+        PYTHONPATH=str(tmp_path), SPECULATORS_COMPAT_STRICT="1", SPECULATORS_COMPAT_MATRIX=str(tmp_path / "none.yaml")
+    )
+    proc = _run(code, env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "outcomes": ["PatchError", "PatchError"],
+        "in_sys_modules": False,
+    }
