@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import os
 import sys
+import _thread  # not threading: ~1 ms more at import (the C lock is the same)
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "activate", "deactivate", "report", "context_line", "get_registry"]
 
-_registry = None
-_config: tuple[bool, str | None] = (False, None)  # (strict, selection) of the last activate()
-_front_hooked = False
-_activation_requested = False
-
 # The modules whose import triggers patches (each patch's ``hook_module``; a unit test keeps
-# this list equal to the patches'). ``import speculators_compat`` only installs a one-shot
-# import trigger for these (_trigger.py): the registry, wrapt, the patch definitions, the matrix
-# (yaml) and version parsing (packaging) are loaded when the first of them is imported.
+# this list equal to the patches'). ``import speculators_compat`` only subscribes a lazy hook to
+# these (``_import_hooks``: one meta-path finder, standard library only): the registry, wrapt,
+# the patch definitions, the matrix (yaml) and version parsing (packaging) are loaded when the
+# first of them is imported; the registry then subscribes its own hooks through the same finder.
 HOOK_MODULES = (
     "transformers",
     "transformers.configuration_utils",
@@ -41,29 +38,105 @@ HOOK_MODULES = (
 )
 
 
+class _Activation:
+    """All activation state of the process, in one place.
+
+    ``requested``: ``activate()`` ran and ``deactivate()`` did not follow; ``strict`` and
+    ``selection``: the configuration of the last ``activate()``; ``registry``: built on first
+    need (``get_registry()``, the first target import, or a selection to validate), without
+    activating anything; ``lazy``: whether the lazy hook is subscribed (until the registry
+    is active and holds its own hooks).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.strict = False
+        self.selection: str | None = None
+        self.registry = None
+        self.lazy = False
+        self._lock = _thread.RLock()
+
+    def get_registry(self):
+        with self._lock:
+            if self.registry is None:
+                from .matrix import load_matrix
+                from .patches import all_patches
+                from .registry import Registry
+                from .versions import installed_versions
+
+                reg = Registry(
+                    matrix_loader=lambda ids: load_matrix(known_ids=ids), versions_reader=installed_versions
+                )
+                for patch in all_patches():
+                    reg.register(patch)
+                reg.configure(strict=self.strict, selection=self.selection)
+                self.registry = reg
+            return self.registry
+
+    def activate(self, strict: bool, selection: str | None) -> None:
+        before = (self.strict, self.selection, self.requested)
+        self.strict, self.selection, self.requested = strict, selection, True
+        if self.registry is not None or (selection and selection.strip()) or any(m in sys.modules for m in HOOK_MODULES):
+            try:
+                self.start()  # re-apply now / validate the selection now / a target is already here
+            except ValueError:  # a refused selection leaves the earlier configuration in place
+                self.strict, self.selection, self.requested = before
+                raise
+        else:
+            self._subscribe_lazy()
+
+    def start(self) -> None:
+        """Configure and activate the registry (it then holds its own hooks)."""
+        reg = self.get_registry()
+        reg.configure(strict=self.strict, selection=self.selection)
+        self._unsubscribe_lazy()
+        reg.activate()
+
+    def deactivate(self) -> None:
+        self.requested = False
+        self._unsubscribe_lazy()
+        if self.registry is not None:
+            self.registry.deactivate()
+
+    # -- the lazy hook: the first target import builds and activates the registry -----------
+    def _subscribe_lazy(self) -> None:
+        from ._import_hooks import HOOKS
+
+        for name in HOOK_MODULES:
+            HOOKS.subscribe(name, self._on_first_target)
+        self.lazy = True
+
+    def _unsubscribe_lazy(self) -> None:
+        if not self.lazy:
+            return
+        from ._import_hooks import HOOKS
+
+        for name in HOOK_MODULES:
+            HOOKS.unsubscribe(name, self._on_first_target)
+        self.lazy = False
+
+    def _on_first_target(self, module) -> None:
+        if not self.requested or (self.registry is not None and self.registry.active):
+            return
+        try:
+            self.start()
+        except Exception as exc:  # noqa: BLE001 - never break the target's import (strict: below)
+            import warnings
+
+            warnings.warn(
+                f"speculators_compat: activation failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2
+            )
+            if self.strict:
+                raise
+
+
+_STATE = _Activation()
+
+
 def get_registry():
-    """The process-wide registry with every patch this package defines (built once)."""
-    global _registry
-    if _registry is None:
-        from .matrix import load_matrix
-        from .patches import all_patches
-        from .registry import Registry
-        from .versions import installed_versions
-
-        reg = Registry(matrix_loader=lambda ids: load_matrix(known_ids=ids), versions_reader=installed_versions)
-        for patch in all_patches():
-            reg.register(patch)
-        reg.configure(strict=_config[0], selection=_config[1])
-        _registry = reg
-        if _activation_requested:  # activate() ran before the registry existed
-            reg.activate()
-    return _registry
-
-
-def _env_flag(name: str) -> bool:
-    from . import settings
-
-    return settings.flag(name)
+    """The process-wide registry with every patch this package defines (built once, not
+    activated: activation is ``activate()``'s, which the package import runs)."""
+    return _STATE.get_registry()
 
 
 def activate(strict: bool | None = None, patches: str | None = None) -> bool:
@@ -73,69 +146,25 @@ def activate(strict: bool | None = None, patches: str | None = None) -> bool:
     here are written back to the environment so that vLLM's worker processes see them too.
     Returns False when disabled by ``SPECULATORS_COMPAT_DISABLE``.
     """
-    global _config, _activation_requested
-    if _env_flag("SPECULATORS_COMPAT_DISABLE"):
+    from . import settings
+
+    if settings.flag("SPECULATORS_COMPAT_DISABLE"):
         return False
     if strict is None:
-        strict = _env_flag("SPECULATORS_COMPAT_STRICT")
+        strict = settings.flag("SPECULATORS_COMPAT_STRICT")
     else:
         os.environ["SPECULATORS_COMPAT_STRICT"] = "1" if strict else "0"
     if patches is None:
-        from . import settings
-
         patches = settings.text("SPECULATORS_COMPAT_PATCHES")
     else:
         os.environ["SPECULATORS_COMPAT_PATCHES"] = patches
-    _config = (strict, patches)
-    _activation_requested = True
-    if _registry is not None or (patches and patches.strip()):
-        _activate_registry()  # re-apply now / validate the selection now
-    else:
-        _hook_front()
+    _STATE.activate(strict, patches)
     return True
-
-
-def _hook_front() -> None:
-    global _front_hooked
-    if _front_hooked:
-        return
-    imported = [m for m in HOOK_MODULES if m in sys.modules]
-    if imported:  # a target is already here: build the registry now
-        _front_hook(sys.modules[imported[0]])
-        return
-    from ._trigger import TriggerFinder
-
-    TriggerFinder(HOOK_MODULES, _front_hook).install()
-    _front_hooked = True
-
-
-def _front_hook(module) -> None:
-    if not _activation_requested:
-        return  # deactivate() ran after the trigger was installed
-    if _registry is not None and _registry.active:
-        return  # the registry's own hooks handle it
-    try:
-        _activate_registry()
-    except Exception as exc:  # noqa: BLE001 - never break the target's import (strict: below)
-        import warnings
-
-        warnings.warn(f"speculators_compat: activation failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
-        if _config[0]:
-            raise
-
-
-def _activate_registry() -> None:
-    reg = get_registry()
-    reg.configure(strict=_config[0], selection=_config[1])
-    reg.activate()
 
 
 def deactivate() -> None:
     """Revert every applied patch (the original objects are put back) and stop applying."""
-    global _activation_requested
-    _activation_requested = False
-    if _registry is not None:
-        _registry.deactivate()
+    _STATE.deactivate()
 
 
 def report() -> list[dict]:

@@ -5,6 +5,11 @@ The file is data only: read with a safe YAML loader (that also refuses duplicate
 plain records. Nothing in it names code to run. The schema is documented at the top of the
 shipped file.
 
+Bounded, because every process that imports a hooked module (vLLM workers included) reads it:
+a file over ``MAX_BYTES`` is refused before it is parsed, YAML anchors and aliases are refused
+as the parser meets them (no "billion laughs" expansion), and every error is one line of at
+most ``MAX_MESSAGE`` characters that quotes values through a bounded ``repr``.
+
 Where it is read from: ``SPECULATORS_COMPAT_MATRIX`` (a user's file, validated the same way),
 else the copy packaged inside the wheel, else the repository's top-level file (editable
 installs).
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import reprlib
 
 import yaml
 from packaging.specifiers import SpecifierSet
@@ -36,17 +43,55 @@ SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("speculators", "vllm", "transformers", "torch")
 TESTED_STATUSES = ("verified", "broken", "untested")
 _TOP_KEYS = {"schema", "patches", "tested", "not_applicable"}
-_PATCH_KEYS = {"family", "why", *VERSIONED_PACKAGES}
+_PATCH_KEYS = {"why", "requires", *VERSIONED_PACKAGES}
+MAX_BYTES = 1 << 20  # 1 MiB: the shipped file is ~20 KB
+MAX_MESSAGE = 400  # characters of one error line
 _TESTED_KEYS = {"speculators", "vllm", "status", "platform", "evidence", "date"}
 _NA_KEYS = {"speculators", "why"}
 
 
 class MatrixError(ValueError):
-    """The matrix file is malformed: the message names the file and the offending key."""
+    """The matrix file is malformed: one line (at most ``MAX_MESSAGE`` characters) naming the
+    file and the offending key."""
+
+    def __init__(self, message: str):
+        line = str(message).replace("\r", " ").replace("\n", " ")
+        if len(line) > MAX_MESSAGE:
+            line = line[: MAX_MESSAGE - 5] + " […]"
+        super().__init__(line)
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 80
+_repr.maxlist = _repr.maxdict = _repr.maxtuple = _repr.maxset = 4
+_repr.maxlevel = 2
+
+
+def _q(value) -> str:
+    """A bounded repr for error messages (never the repr of a whole large structure)."""
+    return _repr.repr(value)
+
+
+MAX_FLOW_DEPTH = 32  # [ { nesting: PyYAML's scanner slows quadratically with it
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys."""
+    """SafeLoader that refuses duplicate mapping keys, anchors, aliases and deep [ { nesting."""
+
+    def fetch_flow_collection_start(self, TokenClass):
+        super().fetch_flow_collection_start(TokenClass)
+        if self.flow_level > MAX_FLOW_DEPTH:
+            raise MatrixError(f"line {self.line + 1}: nested deeper than {MAX_FLOW_DEPTH} levels")
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            kind = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
+            raise MatrixError(
+                f"line {event.start_mark.line + 1}: YAML {kind} {_q(event.anchor)} refused "
+                "(the matrix allows no anchors or aliases)"
+            )
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
@@ -55,7 +100,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise MatrixError(
-                f"duplicate key {key!r} (line {key_node.start_mark.line + 1}; "
+                f"duplicate key {_q(key)} (line {key_node.start_mark.line + 1}; "
                 f"first at line {seen[key] + 1})"
             )
         seen[key] = key_node.start_mark.line
@@ -67,12 +112,13 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 @dataclass(frozen=True)
 class PatchRange:
-    """Where one patch applies: a version range per package (absent = any) and why."""
+    """Where one patch applies: a version range per package (absent = any), why, and the
+    patches it needs applied alongside it (``requires``: enforced by the registry)."""
 
     id: str
-    family: str
     why: str
     ranges: dict[str, SpecifierSet] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
 
     def gate(self, versions: dict[str, str | None]) -> str | None:
         """None when every ranged package's installed version lies in range, else the reason."""
@@ -150,59 +196,82 @@ def _require_mapping(value, where: str) -> dict:
 
 def _require_str(value, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise MatrixError(f"{where}: expected a non-empty string, found {value!r}")
+        raise MatrixError(f"{where}: expected a non-empty string, found {_q(value)}")
     return value
 
 
-def _check_keys(mapping: dict, allowed: set[str], where: str) -> None:
+def _optional_text(row: dict, key: str, default: str, where: str) -> str:
+    """A free-text field of a tested row: a scalar (a YAML date is read as a date), never a container."""
+    value = row.get(key, default)
+    if isinstance(value, (dict, list)):
+        raise MatrixError(f"{where}.{key}: expected text, found a {type(value).__name__}")
+    return str(value)
+
+
+def _check_keys(mapping: dict, allowed: set[str], where: str, hint: dict[str, str] | None = None) -> None:
     unknown = sorted(set(map(str, mapping)) - allowed)
     if unknown:
-        raise MatrixError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+        extra = f"; {hint[unknown[0]]}" if hint and unknown[0] in hint else ""
+        raise MatrixError(f"{where}: unknown key {_q(unknown[0])} (allowed: {', '.join(sorted(allowed))}){extra}")
+
+
+_PATCH_KEY_HINTS = {"family": "a patch's family is declared in its code (Patch.family), not here"}
 
 
 def _version_string(value, where: str) -> str:
     # Only strings: YAML reads an unquoted 0.10 as the number 0.1, which would silently name
     # another release.
     if not isinstance(value, str):
-        raise MatrixError(f"{where}: expected a quoted version string such as '0.12.0', found {value!r}")
+        raise MatrixError(f"{where}: expected a quoted version string such as '0.12.0', found {_q(value)}")
     text = value
     try:
         Version(text)
     except InvalidVersion:
-        raise MatrixError(f"{where}: {text!r} is not a version") from None
+        raise MatrixError(f"{where}: {_q(text)} is not a version") from None
     return text
 
 
 def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None = None) -> Matrix:
     """Validate matrix text. ``known_ids``: the patch ids the code defines (both directions checked)."""
+    if len(text) > MAX_BYTES:
+        raise MatrixError(f"{path}: {len(text)} characters, over the {MAX_BYTES}-byte limit of a matrix file")
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except MatrixError as exc:
         raise MatrixError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise MatrixError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise MatrixError(f"{path}: not valid YAML: nested too deeply") from None
     top = _require_mapping(data, path)
     _check_keys(top, _TOP_KEYS, path)
     if top.get("schema") != SCHEMA_VERSION:
-        raise MatrixError(f"{path}: key 'schema' must be {SCHEMA_VERSION}, found {top.get('schema')!r}")
+        raise MatrixError(f"{path}: key 'schema' must be {SCHEMA_VERSION}, found {_q(top.get('schema'))}")
 
     patches: dict[str, PatchRange] = {}
+    requires: dict[str, tuple[str, ...]] = {}
     for pid, body in _require_mapping(top.get("patches", {}), f"{path}: patches").items():
-        where = f"{path}: patches.{pid}"
+        if not isinstance(pid, str):
+            raise MatrixError(f"{path}: patches: patch id {_q(pid)} is not a string")
+        where = f"{path}: patches.{_q(pid)[1:-1]}"
         body = _require_mapping(body, where)
-        _check_keys(body, _PATCH_KEYS, where)
-        for required in ("family", "why"):
-            if required not in body:
-                raise MatrixError(f"{where}: missing key {required!r}")
+        _check_keys(body, _PATCH_KEYS, where, _PATCH_KEY_HINTS)
+        if "why" not in body:
+            raise MatrixError(f"{where}: missing key 'why'")
         ranges = {
             pkg: _spec(body[pkg], f"{where}.{pkg}") for pkg in VERSIONED_PACKAGES if pkg in body
         }
-        patches[str(pid)] = PatchRange(
-            id=str(pid),
-            family=_require_str(body["family"], f"{where}.family"),
+        requires[pid] = _requires(body.get("requires", []), pid, f"{where}.requires")
+        patches[pid] = PatchRange(
+            id=pid,
             why=_require_str(body["why"], f"{where}.why"),
             ranges=ranges,
+            requires=requires[pid],
         )
+    for pid, needed in requires.items():
+        for other in needed:
+            if other not in patches:
+                raise MatrixError(f"{path}: patches.{pid}.requires: unknown patch id {_q(other)}")
 
     if known_ids is not None:
         unknown = sorted(set(patches) - known_ids)
@@ -210,7 +279,7 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
             raise MatrixError(f"{path}: patches.{unknown[0]}: unknown patch id (no such patch in code)")
         missing = sorted(known_ids - set(patches))
         if missing:
-            raise MatrixError(f"{path}: patches: no entry for patch id {missing[0]!r}")
+            raise MatrixError(f"{path}: patches: no entry for patch id {_q(missing[0])}")
 
     tested: list[TestedPair] = []
     seen_pairs: set[tuple] = set()
@@ -222,15 +291,15 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
             if required not in row:
                 raise MatrixError(f"{where}: missing key {required!r}")
         status = row["status"]
-        if status not in TESTED_STATUSES:
-            raise MatrixError(f"{where}.status: {status!r} is not one of {', '.join(TESTED_STATUSES)}")
+        if not isinstance(status, str) or status not in TESTED_STATUSES:
+            raise MatrixError(f"{where}.status: {_q(status)} is not one of {', '.join(TESTED_STATUSES)}")
         pair = TestedPair(
             speculators=_version_string(row["speculators"], f"{where}.speculators"),
             vllm=_version_string(row["vllm"], f"{where}.vllm"),
             status=status,
-            platform=str(row.get("platform", "cpu")),
-            evidence=str(row.get("evidence", "")),
-            date=str(row.get("date", "")),
+            platform=_optional_text(row, "platform", "cpu", where),
+            evidence=_optional_text(row, "evidence", "", where),
+            date=_optional_text(row, "date", "", where),
         )
         key = (pair.speculators, pair.vllm, pair.platform)
         if key in seen_pairs:
@@ -250,9 +319,19 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
     return Matrix(path=path, patches=patches, tested=tuple(tested), not_applicable=tuple(na))
 
 
+def _requires(value, pid: str, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise MatrixError(f"{where}: expected a list of patch ids, found {_q(value)}")
+    if pid in value:
+        raise MatrixError(f"{where}: a patch cannot require itself")
+    if len(set(value)) != len(value):
+        raise MatrixError(f"{where}: a patch id is listed twice")
+    return tuple(value)
+
+
 def _spec(value, where: str) -> SpecifierSet:
     if not isinstance(value, str):
-        raise MatrixError(f"{where}: expected a specifier string such as '>=0.12', found {value!r}")
+        raise MatrixError(f"{where}: expected a specifier string such as '>=0.12', found {_q(value)}")
     try:
         return parse_specifier(value, where)
     except ValueError as exc:
@@ -262,7 +341,14 @@ def _spec(value, where: str) -> SpecifierSet:
 def load_matrix(path: str | Path | None = None, known_ids: set[str] | None = None) -> Matrix:
     p = Path(path) if path is not None else matrix_path()
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # bounded even where stat() lies (pipes, /proc)
     except OSError as exc:
         raise MatrixError(f"{p}: cannot read the matrix file ({exc.strerror or exc})") from None
+    if len(data) > MAX_BYTES:
+        raise MatrixError(f"{p}: over the {MAX_BYTES}-byte limit of a matrix file; refused unread")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MatrixError(f"{p}: not UTF-8 text (byte {exc.start})") from None
     return parse_matrix(text, str(p), known_ids)

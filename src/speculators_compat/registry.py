@@ -1,16 +1,20 @@
 """Patch records, their two gates (matrix + probe), apply/revert, ownership and status.
 
-Flow: ``activate()`` registers one post-import hook per target module (wrapt); nothing heavy is
-imported. When a target module is imported (or at once, if it already is), each of its
-patches is gated by compat_matrix.yaml (versions), then its probe inspects the real objects;
-only if both pass is the attribute replaced. Every outcome is a status record.
+Flow: ``activate()`` subscribes one post-import hook per target module (``_import_hooks``);
+nothing heavy is imported. When a target module is imported (or at once, if it already is),
+each of its patches is gated by compat_matrix.yaml (versions), then its probe inspects the real
+objects; only if both pass is the attribute replaced. Every outcome is a status record.
 
 Rules:
 - one owner per attribute: registering a second patch on the same (module, attribute) raises
   ``PatchConflict`` at registration;
+- declared dependencies (``requires:`` in the matrix) hold at selection time: a selection
+  (``SPECULATORS_COMPAT_PATCHES``) that leaves out a patch which a selected, in-range patch
+  requires, where that patch is in range too, is refused by ``configure`` in one line;
 - applying twice is a no-op; ``revert`` puts back the very object that was there (``is``);
 - an exception inside a post-import hook never breaks the target's import: it is recorded,
-  warned once, and raised only in strict mode or when the user selected that patch by name.
+  warned once, and raised only in strict mode or when the user selected that patch by name;
+  the hook stays subscribed, so a retried import is gated and probed again.
 """
 
 from __future__ import annotations
@@ -161,7 +165,10 @@ def _resolve_parent(module_name: str, dotted: str) -> tuple[Any, str]:
 class Registry:
     """Holds the patches, the configuration of one activation, and their statuses."""
 
-    def __init__(self, matrix_loader: Callable[[set[str]], Any], versions_reader: Callable[[], dict]):
+    def __init__(self, matrix_loader: Callable[[set[str]], Any], versions_reader: Callable[[], dict], hooks=None):
+        if hooks is None:
+            from ._import_hooks import HOOKS as hooks
+        self._hooks = hooks
         self._matrix_loader = matrix_loader
         self._versions_reader = versions_reader
         self._patches: dict[str, Patch] = {}
@@ -233,30 +240,68 @@ class Registry:
                     f"SPECULATORS_COMPAT_PATCHES names unknown patch id {pid!r} "
                     f"(known: {', '.join(sorted(self._patches))})"
                 )
-        if positive:
-            self.selected = set(positive)
-        self.excluded = set(negative)
+        selected = set(positive) if positive else None
+        self._check_requires(selection, selected, set(negative))
+        self.selected, self.excluded = selected, set(negative)
+
+    def _in_range(self, pid: str, matrix, versions: dict) -> bool:
+        if matrix.not_applicable_reason(versions.get("speculators")):
+            return False
+        return matrix.patches[pid].gate(versions) is None
+
+    def _check_requires(self, selection: str, selected: set[str] | None, excluded: set[str]) -> None:
+        """A selection may not leave out a patch that a selected patch requires, where both are
+        in range for the installed versions (a requirement ranged out is not needed there)."""
+        from .matrix import MatrixError
+
+        try:
+            matrix = self.matrix
+        except MatrixError:
+            return  # every patch fails with the matrix's own error when it is tried
+        versions = self.version_strings()
+
+        def chosen(pid: str) -> bool:
+            return pid not in excluded and (selected is None or pid in selected)
+
+        for pid in sorted(self._patches):
+            rng = matrix.patches.get(pid)
+            if rng is None or not rng.requires or not chosen(pid) or not self._in_range(pid, matrix, versions):
+                continue
+            for dep in rng.requires:
+                if not chosen(dep) and dep in matrix.patches and self._in_range(dep, matrix, versions):
+                    how = "excludes" if dep in excluded else "does not select"
+                    raise ValueError(
+                        f"SPECULATORS_COMPAT_PATCHES={selection!r} {how} {dep!r}, which patch {pid!r} requires "
+                        f"(declared in {matrix.path}); leave out {pid!r} too, or keep {dep!r}"
+                    )
 
     def _explicit(self, pid: str) -> bool:
         return self.selected is not None and pid in self.selected
 
     # -- activation ---------------------------------------------------------------------
-    def activate(self) -> None:
-        import wrapt
+    @property
+    def hook_modules(self) -> list[str]:
+        return list(dict.fromkeys(p.hook_module for p in self._patches.values()))
 
+    def activate(self) -> None:
+        """Subscribe to every target module's import (persistently), and apply now to those
+        already imported. Idempotent: applying twice is a no-op."""
         with self._lock:
             self.active = True
-            for module in dict.fromkeys(p.hook_module for p in self._patches.values()):
+            for module in self.hook_modules:
                 if module not in self._hooked_modules:
                     self._hooked_modules.add(module)
-                    wrapt.register_post_import_hook(self._on_import, module)
-                elif module in sys.modules:
-                    # hook already registered by an earlier activation: re-run it now
+                    self._hooks.subscribe(module, self._on_import)
+            for module in self.hook_modules:
+                if module in sys.modules:
                     self._on_import(sys.modules[module])
 
     def deactivate(self) -> None:
         with self._lock:
             self.active = False
+            for module in self._hooked_modules:
+                self._hooks.unsubscribe(module, self._on_import)
+            self._hooked_modules.clear()
             for pid in reversed(list(self._applied)):
                 self._revert(pid)
 
@@ -396,7 +441,7 @@ class Registry:
         out = []
         for pid, st in self._status.items():
             if st.status == "applied" and not self.is_applied(pid):
-                st = PatchStatus(st.id, st.family, st.target, "failed", "applied, then lost: the target was replaced (module reloaded?); call activate() again", st.versions)
+                st = PatchStatus(st.id, st.family, st.target, "failed", "applied, then lost: the target was replaced after patching (assigned over, or the module re-executed outside the import system); call activate() again", st.versions)
             out.append(st)
         return out
 

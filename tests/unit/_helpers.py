@@ -40,10 +40,8 @@ def matrix_text(
     tested: list[dict] | None = None,
     not_applicable: list[dict] | None = None,
 ) -> str:
-    """A schema-1 matrix; each patch entry gets a family and a why unless given."""
-    body = {
-        pid: {"family": "test", "why": f"why {pid}", **ranges} for pid, ranges in patches.items()
-    }
+    """A schema-1 matrix; each patch entry gets a why unless given (and ``requires`` if given)."""
+    body = {pid: {"why": f"why {pid}", **ranges} for pid, ranges in patches.items()}
     if tested is None:
         tested = [{"speculators": "0.4.1", "vllm": "0.12.0", "status": "verified", "platform": "cpu"}]
     if not_applicable is None:

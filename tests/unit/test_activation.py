@@ -49,9 +49,12 @@ def test_import_leaves_heavy_packages_unimported(heavy_stand_ins):
     code = f"""
         import json, sys
         import speculators_compat
-        assert speculators_compat.get_registry().active, "the import should activate the shim"
+        state = speculators_compat._STATE
+        assert state.requested and state.lazy, "the import should activate the shim (a lazy hook)"
         speculators_compat.report()
         speculators_compat.context_line()
+        # get_registry() builds the registry and has no side effect: nothing is activated
+        assert not speculators_compat.get_registry().active and state.lazy
         heavy = {HEAVY!r}
         before = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
         import torch, vllm, speculators, transformers  # the stand-ins: the check is not vacuous
@@ -69,9 +72,10 @@ def test_hook_modules_list_matches_the_patches():
     assert set(speculators_compat.HOOK_MODULES) == {p.hook_module for p in all_patches()}
 
 
-def test_import_installs_only_a_trigger_then_one_hook_per_target_module(tmp_path):
-    """The import registers no wrapt hook (wrapt is not even imported); the first import of a
-    target builds the registry, which then holds one wrapt hook per target module."""
+def test_import_subscribes_one_lazy_hook_then_the_registry_takes_over(tmp_path):
+    """The import subscribes one lazy hook per target module on the package's one finder (wrapt
+    is not even imported); the first import of a target builds and activates the registry,
+    which then holds one hook per target module on the same finder, and the lazy hook is gone."""
     gen = tmp_path / "speculators" / "data_generation"
     gen.mkdir(parents=True)
     (tmp_path / "speculators" / "__init__.py").write_text("")
@@ -80,12 +84,15 @@ def test_import_installs_only_a_trigger_then_one_hook_per_target_module(tmp_path
     code = """
         import json, sys
         import speculators_compat
-        state = {"wrapt_loaded": "wrapt" in sys.modules, "registry": speculators_compat._registry is not None,
-                 "trigger": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "TriggerFinder"]}
+        from speculators_compat._import_hooks import HOOKS, ImportHooks
+        state = {"wrapt_loaded": "wrapt" in sys.modules, "registry": speculators_compat._STATE.registry is not None,
+                 "finders": [type(f).__name__ for f in sys.meta_path if isinstance(f, ImportHooks)],
+                 "lazy": speculators_compat._STATE.lazy, "subscribed": HOOKS.subscribed()}
         import speculators.data_generation.vllm_hidden_states_generator as g
-        import wrapt.importer as wi
-        state["after_registry"] = speculators_compat._registry is not None and speculators_compat._registry.active
-        state["hooked"] = sorted(wi._post_import_hooks)
+        reg = speculators_compat._STATE.registry
+        state["after_registry"] = reg is not None and reg.active
+        state["after_lazy"] = speculators_compat._STATE.lazy
+        state["after_subscribed"] = HOOKS.subscribed()
         state["statuses"] = sorted({r["status"] for r in speculators_compat.report()
                                     if r["target"].startswith("speculators.data_generation.vllm_hidden")})
         state["module_ok"] = g.MARK == 1
@@ -95,34 +102,37 @@ def test_import_installs_only_a_trigger_then_one_hook_per_target_module(tmp_path
     assert proc.returncode == 0, proc.stderr
     state = json.loads(proc.stdout.strip().splitlines()[-1])
     assert state["wrapt_loaded"] is False and state["registry"] is False
-    assert state["trigger"] == ["TriggerFinder"]
-    assert state["after_registry"] is True and state["module_ok"] is True
-    # one wrapt hook per target module still to come (wrapt drops a hook once it has fired)
-    fired = "speculators.data_generation.vllm_hidden_states_generator"
-    assert set(state["hooked"]) == {p.hook_module for p in all_patches()} - {fired}
-    # the trigger fired on the target's import: its patches were gated (not left pending)
+    assert state["finders"] == ["ImportHooks"]
+    assert state["lazy"] is True and state["subscribed"] == {m: 1 for m in speculators_compat.HOOK_MODULES}
+    assert state["after_registry"] is True and state["module_ok"] is True and state["after_lazy"] is False
+    # one registry hook per target module, the fired one included (hooks persist)
+    assert state["after_subscribed"] == {p.hook_module: 1 for p in all_patches()}
+    # the hook fired on the target's import: its patches were gated (not left pending)
     assert "pending" not in state["statuses"]
 
 
 def test_disable_in_a_fresh_process_registers_nothing():
     code = """
-        import json
-        import wrapt.importer as wi
+        import json, sys
         import speculators_compat
-        print(json.dumps({"hooks": sorted(wi._post_import_hooks), "registry": speculators_compat._registry is None,
+        from speculators_compat._import_hooks import HOOKS, ImportHooks
+        print(json.dumps({"hooks": HOOKS.subscribed(), "registry": speculators_compat._STATE.registry is None,
+                          "finders": [type(f).__name__ for f in sys.meta_path if isinstance(f, ImportHooks)],
                           "activate": speculators_compat.activate()}))
     """
     proc = _run(code, subprocess_env(SPECULATORS_COMPAT_DISABLE="1"))
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"hooks": [], "registry": True, "activate": False}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "hooks": {}, "registry": True, "finders": [], "activate": False
+    }
 
 
 def test_disable_makes_activate_return_false(clean_env, monkeypatch):
-    monkeypatch.setattr(speculators_compat, "_registry", None)
+    monkeypatch.setattr(speculators_compat, "_STATE", speculators_compat._Activation())
     clean_env.setenv("SPECULATORS_COMPAT_DISABLE", "1")
     assert speculators_compat.activate() is False
     assert speculators_compat.activate(strict=True, patches="x") is False
-    assert speculators_compat._registry is None
+    assert speculators_compat._STATE.registry is None and not speculators_compat._STATE.requested
     assert "SPECULATORS_COMPAT_STRICT" not in os.environ
     assert "SPECULATORS_COMPAT_PATCHES" not in os.environ
 
@@ -140,7 +150,9 @@ def fake_global_registry(fake_modules, monkeypatch):
         probe=lambda current: None,
     )
     reg = make_registry([patch])
-    monkeypatch.setattr(speculators_compat, "_registry", reg)
+    state = speculators_compat._Activation()
+    state.registry = reg
+    monkeypatch.setattr(speculators_compat, "_STATE", state)
     return reg, name
 
 
@@ -235,3 +247,37 @@ def test_mixed_patch_selection_is_a_one_line_error_at_import():
         f"ValueError: speculators_compat: SPECULATORS_COMPAT_PATCHES={value!r}: mix of selected and "
         "excluded ids; use one kind"
     )
+
+
+def test_strict_failure_at_the_first_target_re_arms_through_the_package(tmp_path):
+    """The real lazy path in strict mode: the generator module's patches fail (here: the user's
+    matrix file is missing), its import is refused; a retried import is refused again instead
+    of succeeding unpatched (it succeeded silently with the one-shot trigger + wrapt hooks)."""
+    gen = tmp_path / "speculators" / "data_generation"
+    gen.mkdir(parents=True)
+    (tmp_path / "speculators" / "__init__.py").write_text("")
+    (gen / "__init__.py").write_text("")
+    (gen / "vllm_hidden_states_generator.py").write_text("MARK = 1\n")
+    code = """
+        import json, sys, warnings
+        warnings.simplefilter("ignore")
+        import speculators_compat
+        outcomes = []
+        for _ in range(2):
+            try:
+                import speculators.data_generation.vllm_hidden_states_generator
+                outcomes.append("imported")
+            except Exception as exc:
+                outcomes.append(type(exc).__name__)
+        name = "speculators.data_generation.vllm_hidden_states_generator"
+        print(json.dumps({"outcomes": outcomes, "in_sys_modules": name in sys.modules}))
+    """
+    env = subprocess_env(
+        PYTHONPATH=str(tmp_path), SPECULATORS_COMPAT_STRICT="1", SPECULATORS_COMPAT_MATRIX=str(tmp_path / "none.yaml")
+    )
+    proc = _run(code, env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "outcomes": ["PatchError", "PatchError"],
+        "in_sys_modules": False,
+    }

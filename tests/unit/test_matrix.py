@@ -28,8 +28,8 @@ def _valid(**overrides) -> dict:
     data = {
         "schema": 1,
         "patches": {
-            "alpha": {"family": "kv-cache", "why": "alpha why", "vllm": ">=0.12"},
-            "beta": {"family": "config", "why": "beta why", "speculators": ">=0.3.0,<0.5"},
+            "alpha": {"why": "alpha why", "vllm": ">=0.12"},
+            "beta": {"why": "beta why", "speculators": ">=0.3.0,<0.5", "requires": ["alpha"]},
         },
         "tested": [
             {"speculators": "0.4.1", "vllm": "0.12.0", "status": "verified", "platform": "cpu", "evidence": "run 1"},
@@ -65,7 +65,8 @@ def test_shipped_matrix_validates_against_real_patch_ids(clean_env):
     assert m.path == str(SHIPPED_MATRIX)
     for pid, rng in m.patches.items():
         assert rng.id == pid
-        assert rng.family.strip() and rng.why.strip()
+        assert rng.why.strip()
+        assert set(rng.requires) <= ids and pid not in rng.requires
         assert set(rng.ranges) <= {"speculators", "vllm", "transformers", "torch"}
     for row in m.tested:
         assert row.status in TESTED_STATUSES
@@ -94,8 +95,9 @@ def test_shipped_matrix_marks_speculators_05_not_applicable(clean_env):
 def test_valid_matrix_parses_to_records():
     m = _parse(_valid())
     assert m.path == "m.yaml"
-    assert m.patches["alpha"] == PatchRange("alpha", "kv-cache", "alpha why", {"vllm": SpecifierSet(">=0.12")})
+    assert m.patches["alpha"] == PatchRange("alpha", "alpha why", {"vllm": SpecifierSet(">=0.12")})
     assert m.patches["beta"].ranges == {"speculators": SpecifierSet(">=0.3.0,<0.5")}
+    assert m.patches["beta"].requires == ("alpha",) and m.patches["alpha"].requires == ()
     assert m.tested == (M.TestedPair("0.4.1", "0.12.0", "verified", "cpu", "run 1", ""),)
     assert m.not_applicable == ((SpecifierSet(">=0.5"), "removed in 0.5"),)
     assert m.newest_tested_vllm() == Version("0.12.0")
@@ -175,11 +177,34 @@ def test_partial_file_without_patches():
     assert msg == "m.yaml: patches: no entry for patch id 'alpha'"
 
 
-@pytest.mark.parametrize("key", ["family", "why"])
-def test_patch_missing_required_key(key):
+def test_patch_missing_required_key():
     data = _valid()
-    del data["patches"]["alpha"][key]
-    assert _error(data) == f"m.yaml: patches.alpha: missing key {key!r}"
+    del data["patches"]["alpha"]["why"]
+    assert _error(data) == "m.yaml: patches.alpha: missing key 'why'"
+
+
+def test_family_is_declared_in_code_not_in_the_matrix():
+    data = _valid()
+    data["patches"]["alpha"]["family"] = "kv-cache"
+    msg = _error(data)
+    assert msg.startswith("m.yaml: patches.alpha: unknown key 'family' (allowed: ")
+    assert msg.endswith("a patch's family is declared in its code (Patch.family), not here")
+
+
+@pytest.mark.parametrize(
+    "requires, message",
+    [
+        (["gamma"], "m.yaml: patches.beta.requires: unknown patch id 'gamma'"),
+        (["beta"], "m.yaml: patches.beta.requires: a patch cannot require itself"),
+        (["alpha", "alpha"], "m.yaml: patches.beta.requires: a patch id is listed twice"),
+        ("alpha", "m.yaml: patches.beta.requires: expected a list of patch ids, found 'alpha'"),
+        ([1], "m.yaml: patches.beta.requires: expected a list of patch ids, found [1]"),
+    ],
+)
+def test_requires_is_validated(requires, message):
+    data = _valid()
+    data["patches"]["beta"]["requires"] = requires
+    assert _error(data) == message
 
 
 def test_patch_empty_why():
@@ -224,7 +249,7 @@ def test_specifier_must_be_a_string():
 
 def test_unknown_patch_id():
     data = _valid()
-    data["patches"]["gamma"] = {"family": "x", "why": "y"}
+    data["patches"]["gamma"] = {"why": "y"}
     assert _error(data) == "m.yaml: patches.gamma: unknown patch id (no such patch in code)"
 
 
@@ -238,16 +263,16 @@ def test_duplicate_patch_id_is_refused_not_collapsed():
     text = matrix_text({"alpha": {}, "beta": {}})
     lines = text.splitlines()
     start = lines.index("  alpha:")
-    dup = lines[start : start + 3]  # alpha: / family / why
-    assert dup[1].strip().startswith("family") and dup[2].strip().startswith("why")
-    text = "\n".join(lines[: start + 3] + dup + lines[start + 3 :]) + "\n"
+    dup = lines[start : start + 2]  # alpha: / why
+    assert dup[1].strip().startswith("why")
+    text = "\n".join(lines[: start + 2] + dup + lines[start + 2 :]) + "\n"
     msg = _error(text)
     assert "duplicate key 'alpha'" in msg
     assert msg.startswith("m.yaml: duplicate key 'alpha' (line ")
 
 
 def test_duplicate_key_inside_patch():
-    text = "schema: 1\npatches:\n  alpha:\n    family: a\n    why: b\n    why: c\n  beta: {family: a, why: b}\n"
+    text = "schema: 1\npatches:\n  alpha:\n    vllm: '>=0.12'\n    why: b\n    why: c\n  beta: {why: b}\n"
     msg = _error(text)
     assert msg == "m.yaml: duplicate key 'why' (line 6; first at line 5)"
 
@@ -353,3 +378,100 @@ def test_user_matrix_missing_file(clean_env, tmp_path):
     with pytest.raises(MatrixError) as info:
         load_matrix(known_ids=IDS)
     assert str(info.value).startswith(f"{path}: cannot read the matrix file (")
+
+
+# -- limits: size, anchors/aliases, bounded messages ---------------------------------------
+
+_LAYERS = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] + [
+    f"&{n} [{','.join(['*' + p] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi")
+]
+# issue #16's bomb: a why whose repr() (in the "expected a string" error) is 9**9 * 5 lols
+_BOMB = "schema: 1\npatches:\n  alpha: {why: a}\n  beta:\n    why: [" + ", ".join(_LAYERS) + "]\n"
+
+
+def _timed_error(fn) -> tuple[str, float]:
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(MatrixError) as info:
+        fn()
+    return str(info.value), time.perf_counter() - start
+
+
+@pytest.mark.parametrize("where", ["text", "file", "env"])
+def test_alias_bomb_is_refused_at_once_in_one_line(where, tmp_path, clean_env):
+    assert len(_BOMB) < 1024
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_BOMB)
+    clean_env.setenv("SPECULATORS_COMPAT_MATRIX", str(path))
+    fn = {
+        "text": lambda: parse_matrix(_BOMB, "m.yaml", IDS),
+        "file": lambda: load_matrix(path, known_ids=IDS),
+        "env": lambda: load_matrix(known_ids=IDS),
+    }[where]
+    msg, seconds = _timed_error(fn)
+    assert seconds < 0.2, seconds
+    assert msg.endswith(": line 5: YAML anchor 'a' refused (the matrix allows no anchors or aliases)"), msg
+    assert "\n" not in msg and len(msg) <= M.MAX_MESSAGE
+
+
+def test_an_alias_alone_is_refused_too():
+    text = yaml.safe_dump(_valid(), sort_keys=False) + "extra: *nowhere\n"
+    line = text.count("\n")
+    assert _error(text) == f"m.yaml: line {line}: YAML alias 'nowhere' refused (the matrix allows no anchors or aliases)"
+
+
+def test_a_50_mb_file_is_refused_unread(tmp_path):
+    path = tmp_path / "big.yaml"
+    with open(path, "w") as f:
+        f.write(yaml.safe_dump(_valid(), sort_keys=False))
+        f.write("# " + "x" * (50 * 1024 * 1024) + "\n")
+    msg, seconds = _timed_error(lambda: load_matrix(path, known_ids=IDS))
+    assert seconds < 0.5, seconds
+    assert msg == f"{path}: over the 1048576-byte limit of a matrix file; refused unread"
+    msg, seconds = _timed_error(lambda: parse_matrix(path.read_text(), "m.yaml", IDS))
+    assert seconds < 0.5, seconds
+    assert msg == f"m.yaml: {path.stat().st_size} characters, over the 1048576-byte limit of a matrix file"
+
+
+def test_a_file_just_under_the_cap_still_loads(tmp_path):
+    path = tmp_path / "ok.yaml"
+    text = yaml.safe_dump(_valid(), sort_keys=False)
+    path.write_text(text + "#" * (M.MAX_BYTES - len(text) - 1) + "\n")
+    assert path.stat().st_size == M.MAX_BYTES
+    assert set(load_matrix(path, known_ids=IDS).patches) == IDS
+
+
+def test_errors_quote_huge_values_in_a_few_hundred_characters():
+    data = _valid()
+    data["patches"]["alpha"]["why"] = [{"k": "x" * 1000 + str(i)} for i in range(800)]  # ~800 KB if repr()'d whole
+    msg = _error(data)
+    assert msg.startswith("m.yaml: patches.alpha.why: expected a non-empty string, found [")
+    assert len(msg) <= M.MAX_MESSAGE
+    data = _valid()
+    data["patches"]["alpha"]["y" * 10_000] = 1
+    msg = _error(data)
+    assert msg.startswith("m.yaml: patches.alpha: unknown key 'yyyy") and len(msg) <= M.MAX_MESSAGE
+
+
+@pytest.mark.parametrize("opener", ["[", "{a: "])
+def test_deep_nesting_is_refused_at_once_in_one_line(opener):
+    text = "schema: 1\npatches: " + opener * 200_000 + "\n"
+    assert len(text) < M.MAX_BYTES
+    msg, seconds = _timed_error(lambda: parse_matrix(text, "m.yaml", IDS))
+    assert seconds < 0.2, seconds
+    assert msg == "m.yaml: line 2: nested deeper than 32 levels"
+
+
+def test_deep_block_nesting_is_one_line_error():
+    text = "schema: 1\npatches:\n" + "".join(" " * (i + 1) + f"k{i}:\n" for i in range(1200))
+    assert len(text) < M.MAX_BYTES
+    msg, seconds = _timed_error(lambda: parse_matrix(text, "m.yaml", IDS))
+    assert seconds < 1, seconds
+    assert msg == "m.yaml: not valid YAML: nested too deeply"
+
+
+def test_tested_row_text_fields_must_be_text():
+    data = _valid()
+    data["tested"][0]["evidence"] = {"nested": ["x"] * 10}
+    assert _error(data) == "m.yaml: tested[0].evidence: expected text, found a dict"

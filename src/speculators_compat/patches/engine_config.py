@@ -4,9 +4,12 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
 - ``SchedulerConfig`` gained a required ``is_encoder_decoder`` (0.11.1+; speculators 0.3.0 does
   not pass it, 0.4.x does, which 0.11.0 rejects) and turns ``async_scheduling`` on by default
   for hand-built configs (0.14+). The adapter passes ``is_encoder_decoder=False`` where the
-  field exists, drops it where it does not, and sets ``async_scheduling=False`` where that field
-  exists: off unless the driver keeps batches in flight, which ``async-scheduling``
-  (execution.py) decides when the executor is built (on accelerators, with futures).
+  field exists, drops it where it does not. ``SchedulerConfig.async_scheduling`` has one owner,
+  this patch: ``async_scheduling_wanted`` below is the only decision and this module the only
+  writer. It is off when the config is built (vLLM would otherwise turn it on by default, and
+  the executor that decides it is not known yet); ``async-scheduling`` (execution.py, which
+  ``requires`` this patch) asks ``settle_async_scheduling`` for the final value as the executor
+  is built: on only with the pipelined driver, both settings on, and an executor taking futures.
 - ``CacheConfig``: prefix caching became the default (0.12+). speculators 0.3.0 neither gives
   its Requests a block hasher nor turns caching off, so vLLM's block pool fails its
   ``len(request.block_hashes) >= num_full_blocks`` assertion (with an empty message) on the
@@ -20,8 +23,27 @@ Both adapters wrap the names in the generator's module namespace: vLLM itself is
 
 from __future__ import annotations
 
+from .. import settings
 from ..registry import wrapper_patch
 from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
+
+
+def async_scheduling_wanted(executor_takes_futures: bool) -> bool:
+    """The one decision on the generator engine's ``SchedulerConfig.async_scheduling``: on only
+    where the pipelined driver keeps batches in flight (``SPECULATORS_COMPAT_PIPELINE``),
+    ``SPECULATORS_COMPAT_ASYNC_SCHEDULING`` allows it, and the executor takes futures."""
+    return (
+        executor_takes_futures
+        and settings.flag("SPECULATORS_COMPAT_ASYNC_SCHEDULING")
+        and settings.flag("SPECULATORS_COMPAT_PIPELINE")
+    )
+
+
+def settle_async_scheduling(vllm_config, executor_takes_futures: bool) -> None:
+    """Write the decided value on the built config (called as the executor is built)."""
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if scheduler_config is not None and hasattr(scheduler_config, "async_scheduling"):
+        scheduler_config.async_scheduling = bool(async_scheduling_wanted(executor_takes_futures))
 
 
 def _scheduler_config_args(wrapped, instance, args, kwargs):
@@ -31,7 +53,7 @@ def _scheduler_config_args(wrapped, instance, args, kwargs):
     else:
         kwargs.pop("is_encoder_decoder", None)
     if "async_scheduling" in params:
-        kwargs.setdefault("async_scheduling", False)
+        kwargs.setdefault("async_scheduling", False)  # settled when the executor is built (above)
     return wrapped(*args, **kwargs)
 
 

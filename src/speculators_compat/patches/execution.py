@@ -78,15 +78,11 @@ def _probe_generate(current):
 
 
 def _executor_async_scheduling(wrapped, instance, args, kwargs):
+    # scheduler-config-args owns SchedulerConfig.async_scheduling (engine_config.py decides it)
+    from .engine_config import settle_async_scheduling
+
     config = kwargs.get("vllm_config", args[0] if args else None)
-    scheduler_config = getattr(config, "scheduler_config", None)
-    if (
-        scheduler_config is not None
-        and settings.flag("SPECULATORS_COMPAT_ASYNC_SCHEDULING")
-        and settings.flag("SPECULATORS_COMPAT_PIPELINE")
-        and executor_takes_futures(wrapped)
-    ):
-        scheduler_config.async_scheduling = True
+    settle_async_scheduling(config, executor_takes_futures(wrapped))
     return wrapped(*args, **kwargs)
 
 

@@ -13,19 +13,24 @@ takes its usual ``gpu_memory_utilization * 0.2`` of it): a small KV cache starts
 a large GPU, and prefill-only extraction needs little.
 
 0.4.x: the name ``mem_get_info`` in the generator's module is wrapped. 0.3.0 calls
-``torch.cuda.mem_get_info`` through the torch module, so the patch wraps the generator's
-``__init__`` and routes that one function for the constructor's duration only.
+``torch.cuda.mem_get_info()`` through its module global ``torch``: the patch binds that global,
+in the generator's module namespace only, to a view of torch whose ``cuda.mem_get_info``
+answers from the platform (every other name is torch's own). The process-wide
+``torch.cuda.mem_get_info`` is never replaced: another thread, or any other module, sees
+torch's own function at all times. Undo puts the module global back.
 """
 
 from __future__ import annotations
 
-import threading
+import inspect
+import types
 
-from ..registry import wrapper_patch
+import wrapt
+
+from ..registry import Patch, wrapper_patch
 from ._signatures import GENERATOR
 
 _CPU_DEFAULT_GIB = 4.0  # vLLM's CPU default when VLLM_CPU_KVCACHE_SPACE is unset or 0
-_route_lock = threading.Lock()
 
 
 def platform_mem_get_info() -> tuple[int, int]:
@@ -73,38 +78,56 @@ def _probe_platform(current):
     return None
 
 
-def _init_routing_torch_cuda(wrapped, instance, args, kwargs):
-    import torch
+class _CudaView(wrapt.ObjectProxy):
+    """``torch.cuda`` with ``mem_get_info`` answered by the platform vLLM runs on."""
 
-    with _route_lock:
-        original = torch.cuda.mem_get_info
-        torch.cuda.mem_get_info = lambda *a, **k: platform_mem_get_info()
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            torch.cuda.mem_get_info = original
+    def mem_get_info(self, *args, **kwargs):
+        return platform_mem_get_info()
 
 
-def _probe_init_030(current):
-    problem = _probe_platform(current)
-    if problem:
-        return problem
-    import inspect
+class TorchView(wrapt.ObjectProxy):
+    """``torch`` as the generator module sees it (memory-query-torch-cuda): ``torch.cuda`` is a
+    view whose ``mem_get_info`` asks vLLM's platform; every other attribute is torch's own."""
 
-    src = inspect.getsource(getattr(current, "__wrapped__", current))
+    def __init__(self, torch_module):
+        super().__init__(torch_module)
+        self._self_cuda = _CudaView(torch_module.cuda)
+
+    @property
+    def cuda(self):
+        return self._self_cuda
+
+
+def _bind_torch_view(current):
+    return TorchView(current)
+
+
+def _probe_generator_torch(current):
+    """0.3.0: the module global ``torch`` is the torch module, and the constructor asks it."""
+    cuda = getattr(current, "cuda", None)
+    if not isinstance(current, types.ModuleType) or not callable(getattr(cuda, "mem_get_info", None)):
+        return f"expected the generator module's global torch to be the torch module; found {current!r}"
+    import sys
+
+    cls = getattr(sys.modules.get(GENERATOR), "VllmHiddenStatesGenerator", None)
+    init = inspect.unwrap(getattr(cls, "__init__", None)) if cls is not None else None
+    try:
+        src = inspect.getsource(init)
+    except (OSError, TypeError):
+        return "expected VllmHiddenStatesGenerator.__init__ with readable source; found none"
     if "torch.cuda.mem_get_info()" not in src:
         return "expected VllmHiddenStatesGenerator.__init__ to call torch.cuda.mem_get_info(); it does not"
-    return None
+    return _probe_platform(current)
 
 
 PATCHES = [
     wrapper_patch("memory-query", "platform", GENERATOR, "mem_get_info", _mem_get_info, _probe_platform),
-    wrapper_patch(
-        "memory-query-torch-cuda",
-        "platform",
-        GENERATOR,
-        "VllmHiddenStatesGenerator.__init__",
-        _init_routing_torch_cuda,
-        _probe_init_030,
+    Patch(
+        id="memory-query-torch-cuda",
+        family="platform",
+        hook_module=GENERATOR,
+        attribute="torch",
+        build=_bind_torch_view,
+        probe=_probe_generator_torch,
     ),
 ]
