@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import sys
 
-from .. import settings
 from ..extraction.driver import generate
 from ..extraction.errors import ExtractionError
 from ..extraction.steps import executor_takes_futures
