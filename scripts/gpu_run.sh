@@ -19,7 +19,9 @@ export SPECULATORS_COMPAT_ATTENTION_BACKEND=${SPECULATORS_COMPAT_ATTENTION_BACKE
 export SPECULATORS_COMPAT_KV_CACHE_BYTES=${SPECULATORS_COMPAT_KV_CACHE_BYTES:-20000000000}
 export SPECULATORS_COMPAT_MODEL_CACHE=/tmp/models
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-B=.gpu/bundle; SITE=/tmp/site
+# GPU_BUNDLE / GPU_SITE: another CUDA vLLM release's bundle (e.g. .gpu26/bundle, built by
+# .gpu26/build.sh from ../shared/gpu/build.sh with the version changed) and its install folder
+B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-/tmp/site}
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 STEPS=${GPU_STEPS:-e2e bench}
 echo "== host"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
@@ -51,6 +53,19 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   cell 0.3.0 llama & p1=$!; cell 0.4.0.1 llama & p2=$!; cell 0.3.0 qwen3 & p3=$!; cell 0.4.0.1 qwen3 & p4=$!
   wait $p1 $p2 $p3 $p4
   echo "e2e done at +$(( $(date +%s) - t0 ))s"
+fi
+if [[ " $STEPS " == *" v1 "* ]]; then
+  echo "== e2e cells with the V1 model runner forced (VLLM_USE_V2_MODEL_RUNNER=0)"
+  export VLLM_USE_V2_MODEL_RUNNER=0
+  CELL_NAME=llama_v1runner cell 0.3.0 llama & p1=$!; CELL_NAME=llama_v1runner cell 0.4.0.1 llama & p2=$!
+  CELL_NAME=qwen3_v1runner cell 0.3.0 qwen3 & p3=$!; CELL_NAME=qwen3_v1runner cell 0.4.0.1 qwen3 & p4=$!
+  wait $p1 $p2 $p3 $p4
+  unset VLLM_USE_V2_MODEL_RUNNER
+fi
+if [[ " $STEPS " == *" faults "* ]]; then
+  echo "== fault battery on the GPU (Ctrl-C at every reply read, lost rows, worker exception, ...)"
+  PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 400 python3 -m speculators_compat.testing.fault_runner --fault recover \
+    --timeout 60 --out "$OUT/faults_recover_h200.json" > "$OUT/faults_recover_h200.log" 2>&1; echo "faults rc=$?"
 fi
 if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
