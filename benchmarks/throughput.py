@@ -284,8 +284,11 @@ def main() -> int:
 
     from speculators_compat.versions import installed_versions
 
+    from speculators_compat.testing.provenance import portable_command, provenance, scrub_paths
+
     out = {
-        "command": " ".join(sys.argv),
+        "provenance": provenance(),
+        "command": portable_command(),
         "platform": platform,
         "device": torch.cuda.get_device_name(0) if platform == "cuda" else os.uname().machine,
         "versions": {k: v.version for k, v in installed_versions().items()},
@@ -297,7 +300,7 @@ def main() -> int:
         "attention_backend": os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"),
         "native_async_scheduling": args.native_async_scheduling,
     }
-    text = json.dumps(out, indent=2)
+    text = json.dumps(scrub_paths(out), indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

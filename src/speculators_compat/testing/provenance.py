@@ -103,6 +103,9 @@ def portable_command(argv: list[str] | None = None, root: Path | None = None) ->
     return " ".join(shlex.quote(x) for x in out)
 
 
+_CHECKOUT_DIRS = ("/src/speculators_compat", "/benchmarks/", "/scripts/", "/tests/", "/compat_matrix.yaml")
+
+
 def _scrub_one(match: re.Match, root: Path | None) -> str:
     text = match.group(0)
     for marker in ("/site-packages/", "/dist-packages/"):
@@ -112,10 +115,14 @@ def _scrub_one(match: re.Match, root: Path | None) -> str:
         r = str(root.resolve())
         if text == r or text.startswith(r + "/"):
             return text[len(r) + 1:] or "."
-    if "/.bed/" in text:  # the shared test bed of another checkout
+    if "/.bed/" in text:  # a test bed (of this or another checkout)
         return ".bed/" + text.split("/.bed/", 1)[1]
+    hits = [text.find(m) for m in _CHECKOUT_DIRS if m in text]
+    if hits:  # inside some checkout of this repository: relative to it
+        return text[min(hits) + 1:]
     name = text.rstrip("/").rsplit("/", 1)[-1]
-    return f"<{text.split('/')[1]}>/{name}" if name and text.count("/") > 1 else f"<{text.strip('/')}>"
+    top = text.split("/")[1]
+    return f"<{top}>/{name}" if text.rstrip("/").count("/") > 1 else f"<{top}>"
 
 
 def scrub_paths(obj, root: Path | None = None):
