@@ -34,10 +34,11 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("speculators", "vllm", "transformers", "torch")
-TESTED_STATUSES = ("verified", "broken", "untested")
+# stale: results exist, but from an earlier src/ tree (or without provenance): treated as untested
+TESTED_STATUSES = ("verified", "broken", "untested", "stale")
 _TOP_KEYS = {"schema", "patches", "tested", "not_applicable"}
 _PATCH_KEYS = {"family", "why", *VERSIONED_PACKAGES}
-_TESTED_KEYS = {"speculators", "vllm", "status", "platform", "evidence", "date"}
+_TESTED_KEYS = {"speculators", "vllm", "status", "platform", "evidence", "date", "commit"}
 _NA_KEYS = {"speculators", "why"}
 
 
@@ -93,6 +94,7 @@ class TestedPair:
     platform: str = "cpu"
     evidence: str = ""
     date: str = ""
+    commit: str = ""  # the commit(s) the evidence was produced at (scripts/update_tested.py)
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
             platform=str(row.get("platform", "cpu")),
             evidence=str(row.get("evidence", "")),
             date=str(row.get("date", "")),
+            commit=str(row.get("commit", "")),
         )
         key = (pair.speculators, pair.vllm, pair.platform)
         if key in seen_pairs:
