@@ -67,8 +67,7 @@ def run_cell(py: str, spec: str, vllm: str, arch: str, unpatched: bool, timeout:
         cmd.append("--unpatched")
         env["SPECULATORS_COMPAT_DISABLE"] = "1"
     t0 = time.time()
-    tmp_out = dest.with_suffix(".json.partial")
-    cmd[cmd.index("--out") + 1] = str(tmp_out)
+    before = dest.stat().st_mtime_ns if dest.exists() else None
     with tempfile.TemporaryDirectory(prefix="sweep-cell-") as cwd:  # vLLM writes into its cwd
         try:
             r = subprocess.run(["nice", "-n", "5", *cmd], cwd=cwd, env=env, capture_output=True, text=True,
@@ -77,9 +76,8 @@ def run_cell(py: str, spec: str, vllm: str, arch: str, unpatched: bool, timeout:
         except subprocess.TimeoutExpired:
             code, tail = None, f"timed out after {timeout}s"
     cell = {"cell": dest.name, "seconds": round(time.time() - t0), "exit": code}
-    if tmp_out.exists():
-        data = json.loads(tmp_out.read_text())
-        tmp_out.replace(dest)
+    if dest.exists() and dest.stat().st_mtime_ns != before:  # the runner writes it whole (os.replace)
+        data = json.loads(dest.read_text())
         cell["passed"] = data.get("passed")
         cell["error"] = (data.get("error") or {}).get("type")
     else:

@@ -182,3 +182,21 @@ def test_vllm_knobs_are_data():
     assert vllm_unsupported_reason("gpt_oss", "0.32.0", "cpu", "float32") is None
     assert vllm_unsupported_reason("gpt_oss", "0.16.0", "cuda", "float32") is None
     assert vllm_unsupported_reason("llama", "0.16.0") is None
+
+
+def test_mistral_runs_a_sliding_window_unlike_llama(model_root):
+    """Mistral's window is shorter than the e2e runner's long sequences: on the same seeded
+    weights it equals Llama before the window fills and differs after (its cells are not copies
+    of Llama's)."""
+    import json
+
+    from speculators_compat.testing.tiny_models import MISTRAL_SLIDING_WINDOW
+
+    d = build_tiny_model("mistral", model_root)
+    assert json.loads((d / "config.json").read_text())["sliding_window"] == MISTRAL_SLIDING_WINDOW < 300
+    seq = [[(7 * i) % 997 + 3 for i in range(2 * MISTRAL_SLIDING_WINDOW)]]
+    mis = hf_layer_outputs(d, seq, [3])[0][0]
+    lla = hf_layer_outputs(build_tiny_model("llama", model_root), seq, [3])[0][0]
+    w = MISTRAL_SLIDING_WINDOW
+    assert relative_error(mis[: w - 8], lla[: w - 8]) < 1e-5
+    assert relative_error(mis[w + 8:], lla[w + 8:]) > 1e-2

@@ -122,6 +122,7 @@ def run(args, progress=None) -> dict:
         args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides
     )
     result["model_dir"] = portable_path(model_dir)  # the cache entry's name, no machine path
+    result["max_model_len"] = args.max_model_len
     layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
 
     t0 = time.perf_counter()
@@ -419,9 +420,11 @@ def main(argv=None) -> int:
     from speculators_compat.testing.provenance import scrub_paths
 
     text = json.dumps(scrub_paths(json.loads(json.dumps(result, default=str))), indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.out:  # whole or not at all: a run killed mid-write leaves the previous result
+        tmp = f"{args.out}.partial"
+        with open(tmp, "w") as f:
             f.write(text)
+        os.replace(tmp, args.out)
     else:
         print(text)
     sys.stdout.flush()
