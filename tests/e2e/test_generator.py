@@ -59,7 +59,8 @@ def test_patched_generator_agrees_with_hf(arch, tmp_path):
         assert case["passed"], f"{name}: {case['summary']}"
         # every row was bounded (reference.ROW_TOLERANCE), and the worst one is recorded
         assert case["rows_over_row_tolerance"] == 0 and case["worst_row"]["error"] <= case["row_tolerance"], case
-    assert r["provenance"]["src_tree"] and r["provenance"]["commit"], r["provenance"]
+    # the code that produced it (outside a git checkout: nulls and the reason)
+    assert r["provenance"].get("src_tree") or r["provenance"].get("reason"), r["provenance"]
     # chunked prefill really happened: more tokens than one scheduler step takes
     assert r["cases"]["chunked"]["tokens"] > 8192
     # truncation kept max_model_len - 1 tokens of the long sequence
