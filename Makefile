@@ -14,7 +14,13 @@ BENCH_PAIR ?= --speculators 0.4.0.1 --vllm 0.16.0
 GPU_RESULTS = benchmarks/results/gpu/throughput_h200.json benchmarks/results/gpu/throughput_h200_native_noasync.json \
 	benchmarks/results/gpu/throughput_h200_shim_pipeline0.json
 
-.PHONY: demo test unit bed-tools dev bench
+# make sweep: every CPU cell (noxfile.PAIRS x SWEEP_ARCHS) through the e2e runner at HEAD, then
+# scripts/update_tested.py. SWEEP_JOBS cells at once (default 1: a CPU engine wants ~2 cores).
+SWEEP_JOBS ?= 1
+SWEEP_ARCHS ?= llama,qwen3
+SWEEP_PAIRS ?=
+
+.PHONY: demo test unit bed-tools dev bench sweep
 
 bed-tools:
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -27,17 +33,23 @@ demo: bed-tools
 	@PYBIN=$$($(PY) scripts/bed.py python $(DEMO_PAIR)) && \
 	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $$PYBIN -m speculators_compat demo
 
+# every test under tests/unit (by directory: a test without the marker runs too), then the tested
+# table must agree with the committed results
 unit: dev
-	.venv/bin/python -m pytest -m unit tests/unit -q
+	.venv/bin/python -m pytest tests/unit -q
+	.venv/bin/python scripts/update_tested.py --check
 
 test: unit
 	@set -e; for pair in $(TEST_PAIRS); do \
 	  s=$${pair%%:*}; v=$${pair##*:}; \
 	  echo "== contract + e2e: speculators $$s, vLLM $$v"; \
 	  PYBIN=$$($(PY) scripts/bed.py python --speculators $$s --vllm $$v); \
-	  SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1 \
-	    $$PYBIN -m pytest -m "contract or e2e" tests/contract tests/e2e -q -rs; \
+	  BED_STRICT_IMPORTS=1 SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1 \
+	    $$PYBIN -m pytest tests/contract tests/e2e -q -rs; \
 	done
+
+sweep: bed-tools
+	$(PY) scripts/sweep.py --jobs $(SWEEP_JOBS) --archs $(SWEEP_ARCHS) $(if $(SWEEP_PAIRS),--pairs $(SWEEP_PAIRS))
 
 # CPU benchmarks on the test bed, then the plot (GPU results: scripts/gpu_run.sh, see README)
 bench: dev

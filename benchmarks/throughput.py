@@ -1,7 +1,12 @@
 """Extraction throughput: speculators' generator under the shim vs vLLM's own prefill.
 
-One process, one model, the same prompts and batch shape; the two are timed alternately over
-several repetitions (median and spread). Native = ``vllm.LLM.generate(prompts,
+One process, one model, the same prompts and batch shape; the sides are timed alternately over
+several repetitions (median and spread), the order rotating every repetition (rep r starts with
+side r mod n), so no side always runs first or right after another's allocations. The first,
+warm-up call of each side is timed and reported apart (``warmup_s``), never in the medians.
+``--capture-control`` adds a second generator on the same model capturing ONE layer
+(``shim_1layer``): the ratio shim / shim_1layer is what capturing the requested layers costs,
+separating it from what the generator's own driver saves or costs against ``LLM.generate``. Native = ``vllm.LLM.generate(prompts,
 SamplingParams(max_tokens=1))`` with the engine settings the generator uses (eager, prefix
 caching off, max_num_seqs 32, max_num_batched_tokens max(8192, max_model_len)).
 
@@ -140,6 +145,12 @@ def main() -> int:
         "ExampleHiddenStatesConnector, vLLM >= 0.17): its aux hidden states are the *input* of "
         "layer i, so it captures layers (captured + 1); files go to /dev/shm and are loaded as tensors",
     )
+    p.add_argument(
+        "--capture-control",
+        action="store_true",
+        help="also time the same generator class capturing one layer (the last requested): the capture cost "
+        "control (a second engine: on a GPU lower --gpu-util / BENCH_GPU_UTIL to fit both)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -163,6 +174,13 @@ def main() -> int:
     gen_kw = {"gpu_memory_utilization": args.gpu_util} if platform == "cuda" else {}
     gen = VllmHiddenStatesGenerator(str(model), layer_ids=capture, max_model_len=args.max_model_len, **gen_kw)
     init_shim = time.perf_counter() - t
+    gen1 = None
+    init_shim_1layer = None
+    if args.capture_control:
+        t = time.perf_counter()
+        gen1 = VllmHiddenStatesGenerator(str(model), layer_ids=[capture[-1]], max_model_len=args.max_model_len,
+                                         **gen_kw)
+        init_shim_1layer = time.perf_counter() - t
     llm = None
     xllm = None
     init_native = None
@@ -214,13 +232,24 @@ def main() -> int:
     for plen in args.prompt_len:
         prompts = [[rng.randrange(4, 1000) for _ in range(plen)] for _ in range(args.batch)]
         tokens = plen * args.batch
-        # warm-up both
+        # warm-up: every side once, timed, reported apart from the repetitions
+        warmup_s = {}
+        t = time.perf_counter()
         first = gen.generate(prompts)
+        warmup_s["shim"] = time.perf_counter() - t
+        if gen1 is not None:
+            t = time.perf_counter()
+            gen1.generate(prompts)
+            warmup_s["shim_1layer"] = time.perf_counter() - t
         if llm is not None:
+            t = time.perf_counter()
             llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
+            warmup_s["native"] = time.perf_counter() - t
         agreement = None
         if xllm is not None:
+            t = time.perf_counter()
             loaded = _vllm_extract(xllm, prompts, sp)
+            warmup_s["vllm_extract"] = time.perf_counter() - t
             # the same residual stream: shim's output of layer c vs vLLM's input of layer c + 1
             agreement = max(
                 relative_error(first[i]["hidden_states"][k], loaded[i]["hidden_states"][:, k]) for i in range(len(prompts)) for k in range(len(capture))
@@ -228,27 +257,49 @@ def main() -> int:
         del first
         if platform == "cuda":
             _device_reset(gen, llm, xllm)
-        shim_s, native_s, extract_s, phases = [], [], [], []
-        for _ in range(args.reps):
-            if platform == "cuda":
-                torch.cuda.synchronize()
+        shim_s, native_s, extract_s, shim1_s, phases, orders = [], [], [], [], [], []
+
+        def run_shim():
             t = time.perf_counter()
             res = gen.generate(prompts)
             shim_s.append(time.perf_counter() - t)
             phases.append(dict(getattr(gen, "_speculators_compat_timings", {}) or {}))
             assert len(res) == len(prompts) and res[0]["hidden_states"][0].shape[0] == plen
-            del res
-            if llm is not None:
-                t = time.perf_counter()
-                llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
-                native_s.append(time.perf_counter() - t)
-            if xllm is not None:
-                t = time.perf_counter()
-                loaded = _vllm_extract(xllm, prompts, sp)
-                extract_s.append(time.perf_counter() - t)
-                del loaded
+
+        def run_shim1():
+            t = time.perf_counter()
+            res = gen1.generate(prompts)
+            shim1_s.append(time.perf_counter() - t)
+            assert len(res) == len(prompts) and len(res[0]["hidden_states"]) == 1
+
+        def run_native():
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
+            native_s.append(time.perf_counter() - t)
+
+        def run_extract():
+            t = time.perf_counter()
+            loaded = _vllm_extract(xllm, prompts, sp)
+            extract_s.append(time.perf_counter() - t)
+            del loaded
+
+        sides = [("shim", run_shim)]
+        sides += [("native", run_native)] if llm is not None else []
+        sides += [("vllm_extract", run_extract)] if xllm is not None else []
+        sides += [("shim_1layer", run_shim1)] if gen1 is not None else []
+        for r in range(args.reps):
+            k = r % len(sides)
+            order = sides[k:] + sides[:k]  # rotate: each side leads in turn
+            orders.append([name for name, _ in order])
+            for _, fn in order:
+                if platform == "cuda":
+                    torch.cuda.synchronize()
+                fn()
         row = {
             "driver": phases[0].get("driver") if phases else None,
+            "order_per_rep": orders,
+            "warmup_s": warmup_s,
+            "warmup_tok_s": {k: tokens / v for k, v in warmup_s.items()},
             "prompt_len": plen,
             "batch": args.batch,
             "tokens": tokens,
@@ -268,6 +319,16 @@ def main() -> int:
             row["ratio_median"] = statistics.median(ratios)
             row["ratio_min"] = min(ratios)
             row["ratio_max"] = max(ratios)
+        if shim1_s:
+            row["shim_1layer_tok_s"] = [tokens / s for s in shim1_s]
+            row["shim_1layer_median_tok_s"] = tokens / statistics.median(shim1_s)
+            cost = [a / b for a, b in zip(shim_s, shim1_s)]  # time with the requested layers / with one layer
+            row["capture_cost_median"] = statistics.median(cost)  # > 1: what the extra layers cost
+            row["capture_cost_min"] = min(cost)
+            row["capture_cost_max"] = max(cost)
+            if native_s:
+                # shim/native = (shim_1layer/native: driver vs LLM front end) x (shim/shim_1layer: capture)
+                row["driver_vs_native_median"] = statistics.median(n / s1 for s1, n in zip(shim1_s, native_s))
         if extract_s:
             row["vllm_extract_tok_s"] = [tokens / s for s in extract_s]
             row["vllm_extract_median_tok_s"] = tokens / statistics.median(extract_s)
@@ -284,20 +345,24 @@ def main() -> int:
 
     from speculators_compat.versions import installed_versions
 
+    from speculators_compat.testing.provenance import portable_command, provenance, scrub_paths
+
     out = {
-        "command": " ".join(sys.argv),
+        "provenance": provenance(),
+        "command": portable_command(),
         "platform": platform,
         "device": torch.cuda.get_device_name(0) if platform == "cuda" else os.uname().machine,
         "versions": {k: v.version for k, v in installed_versions().items()},
         "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype, "captured": capture},
-        "init_s": {"shim": init_shim, "native": init_native, "vllm_extract": init_extract},
+        "init_s": {"shim": init_shim, "native": init_native, "vllm_extract": init_extract,
+                   "shim_1layer": init_shim_1layer},
         "rows": rows,
         "exchange_pool": _pool_stats(gen),
         "host_memory": {**_rss_mb(), "worker_rss_mb_now": _worker_rss_mb()},
         "attention_backend": os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND"),
         "native_async_scheduling": args.native_async_scheduling,
     }
-    text = json.dumps(out, indent=2)
+    text = json.dumps(scrub_paths(out), indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

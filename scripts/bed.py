@@ -494,6 +494,48 @@ for m in sys.argv[1:]:
 """
 
 
+# The gate an env must pass before it is marked complete: what the test bed is for must import.
+# speculators_compat first (as users do): on transformers 5 `import speculators` itself needs the
+# shim's speculators-import patch. An env whose gate fails is never marked complete (the next
+# call rebuilds it), so tests cannot run in - and skip through - a broken env.
+GATE_PROBE = r"""
+import sys, traceback
+for m in sys.argv[1:]:
+    try:
+        __import__(m)
+    except BaseException as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        print("BEDGATE " + m + ": " + type(e).__name__ + ": " + (lines[0] if lines else "")[:300], flush=True)
+        sys.exit(1)
+print("BEDGATE ok", flush=True)
+"""
+
+
+def gate_modules(spec: str, vllm: str, self_installed: bool, extras: list[str]) -> list[str]:
+    mods = ["speculators_compat"] if self_installed else []
+    if vllm != "none":
+        mods.append("vllm")
+    if spec != "none":
+        mods += ["speculators", "speculators.data_generation"]
+        if vllm != "none":
+            mods.append("speculators.data_generation.vllm_hidden_states_generator")
+    return mods + [e.split("=")[0].split("<")[0].split(">")[0] for e in extras if e in TEST_TOOLS]
+
+
+def run_gate(runner: "Runner", py: str, mods: list[str]) -> str | None:
+    """None when every module imports (in one process, in order), else one line: which did not."""
+    if not mods:
+        return None
+    r = runner.run("gate", [py, "-c", GATE_PROBE, *mods], timeout=900, check=False)
+    lines = [ln[8:] for ln in r.stdout.splitlines() if ln.startswith("BEDGATE ")]
+    if r.returncode == 0 and lines and lines[-1] == "ok":
+        return None
+    if lines:
+        return lines[-1]
+    tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return f"the import process died (exit {r.returncode}): {tail}"
+
+
 def du_bytes(path: Path) -> tuple[int, int]:
     """(du -sb total, bytes in files not hard-linked elsewhere, e.g. not shared with uv cache)."""
     total = 0
@@ -562,6 +604,14 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
                     (env / "bed.json").write_text(json.dumps(info, indent=2) + "\n")
                 except (OSError, ValueError):
                     pass
+            if probe_imports and mk.get("gate") != "ok":  # marked before the gate existed: gate once
+                why = run_gate(runner, str(env / "bin" / "python"),
+                               gate_modules(spec, vllm, bool(mk.get("self")), mk.get("extras", [])))
+                if why:
+                    (env / ".bed-complete").unlink(missing_ok=True)
+                    raise BedError(f"{env.name}: not usable, marked incomplete (rebuilt on the next call): {why}")
+                mk["gate"] = "ok"
+                (env / ".bed-complete").write_text(json.dumps(mk))
             missing = [e for e in extras if e not in mk.get("extras", [])]
             if not missing:
                 log(f"reusing {env}")
@@ -740,9 +790,14 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
         "extras": extras, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "uv": subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip(),
     }
+    gate = run_gate(runner, py, gate_modules(spec, vllm, self_installed, extras)) if probe_imports else None
+    info["gate"] = {"ok": gate is None, "error": gate, "skipped": not probe_imports}
     (env / "bed.json").write_text(json.dumps(info, indent=2) + "\n")
+    if gate:
+        raise BedError(f"{env.name}: built, but not usable (not marked complete): {gate}")
     (env / ".bed-complete").write_text(json.dumps({"hash": h, "extras": sorted(extras),
-                                                   "self": self_installed}))
+                                                   "self": self_installed,
+                                                   **({"gate": "ok"} if probe_imports else {})}))
     bad = [m for m, r in imports.items() if not r["ok"]]
     log(f"built {env.name} in {install_s:.0f}s, {size / 1e9:.1f} GB (du), torch "
         f"{versions.get('torch')}, transformers {versions.get('transformers')}"

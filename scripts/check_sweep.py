@@ -70,6 +70,23 @@ def _git(*a: str) -> str:
     return r.stdout.strip()
 
 
+def provenance_of(commit: str | None) -> dict:
+    """The provenance block (speculators_compat.testing.provenance) of what the check ran: the
+    snapshot of ``commit`` (clean by construction), or the working tree."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from speculators_compat.testing.provenance import portable_command, provenance  # noqa: PLC0415
+
+    prov = provenance(portable_command())
+    if commit:
+        import hashlib  # noqa: PLC0415
+
+        matrix = subprocess.run(["git", "show", f"{commit}:compat_matrix.yaml"], cwd=ROOT, capture_output=True).stdout
+        prov.update(commit=commit, dirty=False, src_tree=_git("rev-parse", f"{commit}:src"),
+                    matrix_sha256=hashlib.sha256(matrix).hexdigest(), code="git archive snapshot")
+        prov.pop("dirty_files", None)
+    return prov
+
+
 def git_state(commit: str | None) -> dict:
     """``commit``: the snapshot's commit, None for the working tree."""
     if commit:
@@ -160,6 +177,7 @@ def run_one(env: Path, timeout: int, src: Path | None, commit: str | None) -> di
         "check": out,
         "stderr_tail": "\n".join(stderr.strip().splitlines()[-15:]) if out is None or code not in (0, 1) else "",
         "git": git_state(commit),
+        "provenance": provenance_of(commit),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": {"cpus": os.cpu_count()},
     }

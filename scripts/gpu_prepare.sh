@@ -20,8 +20,8 @@ done
 if [ "${MOE:-0}" = 1 ]; then
   mkdir -p .gpu-moe
   WORK=${TMPDIR:-/tmp}/gpu-bundle-work
-  unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/_moe_C_stable_libtorch.abi3.so > /tmp/_moe_C.so
-  python3 .gpu/prune_fatbin.py /tmp/_moe_C.so && xz -9 -T0 -c /tmp/_moe_C.so > .gpu-moe/_moe_C.xz
+  unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/_moe_C_stable_libtorch.abi3.so > $WORK/_moe_C.so
+  python3 .gpu/prune_fatbin.py $WORK/_moe_C.so && xz -9 -T0 -c $WORK/_moe_C.so > .gpu-moe/_moe_C.xz
   # FlashAttention 3 (Hopper only, 153 MB -> 7.9 MB xz): MLA *prefill* on the H200 needs it
   # (vLLM 0.24's MLA backends compute prefill with FA3/FA2, FlashInfer or TRT-LLM; TRITON_MLA only decodes)
   unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -9e -T0 > .gpu-moe/_vllm_fa3_C.xz

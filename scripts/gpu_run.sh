@@ -7,7 +7,7 @@
 #
 # The checkout's src/ comes first on PYTHONPATH (the installed wheel supplies the vllm.general_plugins
 # entry point), so code changes need no new wheel.
-# Steps: install the bundle (vLLM 0.24 + deps) into /tmp/site, speculators 0.3.0 and 0.4.0.1
+# Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
 # GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
@@ -17,11 +17,12 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_
 export VLLM_USE_FLASHINFER_SAMPLER=0
 export SPECULATORS_COMPAT_ATTENTION_BACKEND=${SPECULATORS_COMPAT_ATTENTION_BACKEND:-TRITON_ATTN}
 export SPECULATORS_COMPAT_KV_CACHE_BYTES=${SPECULATORS_COMPAT_KV_CACHE_BYTES:-20000000000}
-export SPECULATORS_COMPAT_MODEL_CACHE=/tmp/models
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SCRATCH=${TMPDIR:-/tmp}
+export SPECULATORS_COMPAT_MODEL_CACHE=$SCRATCH/models
+export OUT=${OUT:-$SCRATCH/out}; mkdir -p "$OUT"
 # GPU_BUNDLE / GPU_SITE: another CUDA vLLM release's bundle (e.g. .gpu26/bundle, built by
 # .gpu26/build.sh from ../shared/gpu/build.sh with the version changed) and its install folder
-B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-/tmp/site}
+B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 STEPS=${GPU_STEPS:-e2e bench}
 echo "== host"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
@@ -37,11 +38,11 @@ if [ -f .gpu-moe/_vllm_fa3_C.xz ] && [ ! -f "$SITE/vllm/vllm_flash_attn/_vllm_fa
   xz -d -c .gpu-moe/_vllm_fa3_C.xz > "$SITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 fi
 for v in 0.3.0 0.4.0.1; do
-  [ -d /tmp/spec-$v/speculators ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spec-$v .gpu/spec/speculators-$v-*.whl
+  [ -d $SCRATCH/spec-$v/speculators ] || python3 -m pip install -q --no-index --no-deps --target $SCRATCH/spec-$v .gpu/spec/speculators-$v-*.whl
 done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2 n=${CELL_NAME:-$2}; shift 2
-  PYTHONPATH=$PWD/src:/tmp/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
+  PYTHONPATH=$PWD/src:$SCRATCH/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
     --arch "$a" --out "$OUT/e2e_spec-${v}_${n}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${n}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
@@ -89,14 +90,14 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
   # three engines on one GPU: the generator (KV 30 GB), vLLM's LLM, and vLLM's own extraction (0.22 each)
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=30000000000 BENCH_GPU_UTIL=0.22 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=30000000000 BENCH_GPU_UTIL=0.22 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --vllm-extract --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 fi
 if [[ " $STEPS " == *" noasync "* ]]; then
   echo "== throughput vs native without async scheduling (as the generator's engine runs)"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --native-async-scheduling off \
     --out "$OUT/throughput_h200_native_noasync.json" > "$OUT/throughput_h200_native_noasync.log" 2>&1; echo "bench noasync rc=$?"
 fi
@@ -107,14 +108,14 @@ if [[ " $STEPS " == *" tp2 "* ]]; then
 fi
 if [[ " $STEPS " == *" bench16 "* ]]; then
   echo "== throughput, 16 layers (hidden 2048), 7 repetitions: shim vs native prefill"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 16 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 16 \
     --batch 32 --prompt-len 512 1024 2048 --reps 7 --max-model-len 4096 --out "$OUT/throughput_h200_16l.json" \
     > "$OUT/throughput_h200_16l.log" 2>&1; echo "bench16 rc=$?"
 fi
 if [[ " $STEPS " == *" pipeoff "* ]]; then
   echo "== shim throughput with the serial driver (SPECULATORS_COMPAT_PIPELINE=0: one batch in flight, no async scheduling)"
   for mode in 0 1; do
-    SPECULATORS_COMPAT_PIPELINE=$mode SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 200 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+    SPECULATORS_COMPAT_PIPELINE=$mode SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 200 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
       --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --no-native --out "$OUT/throughput_h200_shim_pipeline$mode.json" \
       > "$OUT/throughput_h200_shim_pipeline$mode.log" 2>&1; echo "shim pipeline=$mode rc=$?"
   done
@@ -128,7 +129,7 @@ if [[ " $STEPS " == *" hook "* ]]; then
 fi
 if [[ " $STEPS " == *" nopin "* ]]; then
   echo "== throughput with SPECULATORS_COMPAT_PIN=0 (pageable exchange buffers)"
-  SPECULATORS_COMPAT_PIN=0 SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_PIN=0 SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 1024 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200_nopin.json" \
     > "$OUT/throughput_h200_nopin.log" 2>&1; echo "bench nopin rc=$?"
 fi

@@ -2,23 +2,37 @@
 """Generate the ``tested:`` table of compat_matrix.yaml from real end-to-end results.
 
 Reads every result JSON written by ``speculators_compat.testing.e2e_runner`` under
-``benchmarks/results/e2e/`` and (if present) ``benchmarks/results/gpu/`` (recursively; files that
-are not e2e results, e.g. throughput benchmarks, are skipped). Cells are keyed by what the JSON
-says (installed versions, arch, platform, patched/unpatched), not by file name.
+``benchmarks/results/e2e/`` and ``benchmarks/results/gpu/`` (recursively; files that are not e2e
+results, e.g. throughput benchmarks, are skipped). Cells are keyed by what the JSON says
+(installed versions, arch, platform, patched/unpatched), not by file name.
 
-One row per (speculators, vLLM release, platform):
+A result COUNTS only when all of these hold (nothing is re-judged against today's tolerances:
+the runner's own verdict is taken as recorded):
 
-- ``verified``: every patched arch cell for that pair passed (``"passed": true``, no ``"error"``);
-- ``broken``: a patched cell failed (evidence: that cell's error, one line);
+- it carries ``provenance`` (``speculators_compat.testing.provenance``) with a commit, a src
+  tree, and ``dirty: false``;
+- it finished (no ``error``) with every case present (mixed, chunked, truncated, repeat), one
+  output per input sequence and every output as long as expected (``lengths_out`` equals
+  ``lengths_expected``, else ``min(len, max_model_len - 1)`` of ``lengths_in``);
+- the repeat call was bit-identical, the worker reports capturing with the shim's worker
+  patches applied, and the runner's own ``passed`` is true.
+
+A result whose run broke (``error``, a failed case) counts as evidence of breakage when its
+provenance is clean. One row per (speculators, vLLM release, platform):
+
+- ``verified``: every arch of ``STATUS_ARCHS`` has a counting, passing cell whose ``src_tree``
+  equals ``git rev-parse HEAD:src`` (the code as committed now);
+- ``broken``: a clean cell at HEAD's src tree failed (evidence: its first error, one line);
+- ``stale``: results exist, but none decides at HEAD (an older src tree - its commit is given -,
+  no provenance, a dirty tree, or an arch missing at HEAD); ``check`` treats it as untested;
 - ``untested``: only unpatched cells were run for that pair.
 
-Cells run with ``--overrides`` (model-config variants, e.g. MLA dims for GPU kernels), with
-``--tensor-parallel-size`` other than 1, or of an arch outside ``STATUS_ARCHS`` (Llama and Qwen3,
-what ``make test`` runs; MoE and multimodal cells live in benchmarks/results/arch) are
-exploratory: they do not decide the status, but a failing one is named in the evidence.
-
-vLLM builds are normalised to their release (``0.11.0.post2`` / ``0.16.0+cpu`` -> ``0.11.0`` /
-``0.16.0``). When the same cell was run more than once, the newest file (mtime) wins.
+Cells run with ``--overrides``, with ``--tensor-parallel-size`` other than 1, or of an arch
+outside ``STATUS_ARCHS`` are exploratory: they never decide the status, but are named in the
+evidence. vLLM builds are normalised to their release (``0.11.0.post2`` / ``0.16.0+cpu`` ->
+``0.11.0`` / ``0.16.0``). When a cell was run more than once, the newest ``provenance.date_utc``
+wins (results without provenance rank oldest). Dates come from provenance, never from file
+times, so ``--check`` gives the same answer on a fresh clone.
 
 Only the lines from the top-level ``tested:`` key to the next top-level key (or the end of the
 file) are rewritten; the rest of the file is kept byte for byte. The new file is validated
@@ -28,17 +42,18 @@ Also writes ``benchmarks/results/e2e/SUMMARY.md`` (pair x arch table).
 
 Usage::
 
-    .venv/bin/python scripts/update_tested.py [--check] [--no-summary]
+    python3 scripts/update_tested.py [--check] [--no-summary]
 
-``--check``: exit 1 if the file would change (nothing written).
+``--check``: exit 1 if compat_matrix.yaml or SUMMARY.md would change (nothing written); it runs
+in ``make test``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,10 +66,11 @@ STATUS_ARCHS = ("llama", "qwen3")
 RESULT_DIRS = [ROOT / "benchmarks" / "results" / "e2e", ROOT / "benchmarks" / "results" / "gpu"]
 SUMMARY = ROOT / "benchmarks" / "results" / "e2e" / "SUMMARY.md"
 ARCH_ORDER = ["llama", "qwen3"]
+CASES = ("mixed", "chunked", "truncated")
 E2E_COMMAND = (
-    "cd /tmp && SPECULATORS_COMPAT_MODEL_CACHE=/work/main/.bed/models VLLM_CPU_KVCACHE_SPACE=1 "
-    "timeout 1500 $PY -m speculators_compat.testing.e2e_runner --arch ARCH [--unpatched] "
-    "--out /work/main/benchmarks/results/e2e/spec-S_vllm-V_ARCH[_unpatched].json"
+    "make sweep   # every CPU pair of noxfile.PAIRS x llama,qwen3 at HEAD, then this script; one cell:\n"
+    "PYTHONPATH=$PWD/src VLLM_CPU_KVCACHE_SPACE=1 $PY -m speculators_compat.testing.e2e_runner --arch ARCH "
+    "--out benchmarks/results/e2e/spec-S_vllm-V_ARCH.json"
 )
 UNPATCHED_NOTE = (
     "Unpatched cells are run with `SPECULATORS_COMPAT_DISABLE=1` in the environment as well as"
@@ -87,11 +103,19 @@ def _one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def head_src_tree(root: Path = ROOT) -> str | None:
+    """``git rev-parse HEAD:src``: the tree of src/ as committed now (None outside a git checkout)."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD:src"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
 class Cell:
     def __init__(self, path: Path, data: dict):
         self.path = path
         self.data = data
-        self.mtime = path.stat().st_mtime
         versions = data.get("versions") or {}
         self.speculators = str(versions.get("speculators"))
         self.vllm_build = str(versions.get("vllm"))
@@ -100,38 +124,101 @@ class Cell:
         self.arch = str(data.get("arch"))
         self.unpatched = bool(data.get("unpatched"))
         self.error = data.get("error")
+        prov = data.get("provenance")
+        self.prov = prov if isinstance(prov, dict) else {}
         self.variant = (
             bool(data.get("overrides"))
             or (data.get("tensor_parallel_size") or 1) != 1
             or data.get("arch") not in STATUS_ARCHS
             or self.variant_name != self.arch  # a named variant file (e.g. ..._llama_v1runner.json)
         )
-        self.passed = self._judge() and not self.error
+        self.flaws = self._flaws()  # why the run does not count as evidence at all
+        self.failures = self._failures()  # why its own verdict is a failure
+        self.passed = not self.flaws and not self.failures
 
-    def _judge(self) -> bool:
-        """Re-judge from the recorded measurements with the *current* tolerance of
-        speculators_compat.testing.reference.TOLERANCE (a cell recorded under an older
-        tolerance keeps its measured errors; only the threshold is applied anew)."""
-        from speculators_compat.testing.reference import TOLERANCE
+    # -- what the JSON holds -----------------------------------------------------------------
 
+    @property
+    def commit(self) -> str | None:
+        return self.prov.get("commit")
+
+    @property
+    def src_tree(self) -> str | None:
+        return self.prov.get("src_tree")
+
+    @property
+    def date(self) -> str:
+        return str(self.prov.get("date_utc") or "")
+
+    def _flaws(self) -> list[str]:
+        """Reasons the result is no evidence either way (provenance, completeness)."""
+        if not self.prov:
+            return ["no provenance"]
+        out = []
+        if not self.commit or not self.src_tree:
+            out.append("provenance without commit/src tree (" + str(self.prov.get("reason") or "not a git checkout") + ")")
+        if self.prov.get("dirty") is not False:
+            out.append("run from a dirty tree" if self.prov.get("dirty") else "dirty state unknown")
+        if self.error or self.unpatched:
+            return out  # an engine error is a result; unpatched runs are expected to fail
         cases = self.data.get("cases") or {}
-        if not cases or self.error:
-            return bool(self.data.get("passed"))
-        tol = TOLERANCE.get(str(self.data.get("dtype")))
-        ok = True
-        for name, case in cases.items():
-            if name == "repeat":
-                ok &= bool(case.get("identical", False))
+        missing = [c for c in (*CASES, "repeat") if not isinstance(cases.get(c), dict)]
+        if missing:
+            out.append("cases missing: " + ",".join(missing))
+        mml = self.data.get("max_model_len") or 2048
+        for name in CASES:
+            case = cases.get(name)
+            if not isinstance(case, dict):
                 continue
-            ok &= bool(case.get("shapes_ok", False))
-            err = case.get("max_error")
-            if tol is None or not isinstance(err, (int, float)):
-                ok &= bool(case.get("passed", False))
-            else:
-                ok &= err <= tol
-                case["tolerance"] = tol
-                case["passed"] = bool(case.get("shapes_ok", False)) and err <= tol
-        return ok
+            lin, lout = case.get("lengths_in"), case.get("lengths_out")
+            if not isinstance(lin, list) or not isinstance(lout, list):
+                out.append(f"{name}: lengths not recorded")
+                continue
+            expected = case.get("lengths_expected") or [min(int(n), int(mml) - 1) for n in lin]
+            if len(lout) != len(lin) or list(lout) != list(expected):
+                out.append(f"{name}: {len(lout)} outputs for {len(lin)} inputs, lengths {lout} vs expected {expected}")
+        return out
+
+    def _failures(self) -> list[str]:
+        """The run's own verdict (as recorded; never re-judged)."""
+        if self.error:
+            msg = str(self.error.get("message") or "").strip()
+            first = msg.splitlines()[0] if msg else ""
+            return [f"{self.error.get('type')}: {first}" if first else str(self.error.get("type"))]
+        if self.unpatched:
+            return [] if self.data.get("passed") else ["did not pass"]
+        out = []
+        cases = self.data.get("cases") or {}
+        for name in CASES:
+            case = cases.get(name)
+            if isinstance(case, dict) and not case.get("passed"):
+                why = []
+                if not case.get("shapes_ok", True):
+                    why.append("shapes/ids wrong")
+                if isinstance(case.get("max_error"), (int, float)):
+                    why.append(f"max rel err {case['max_error']:.1e} (tol {case.get('tolerance', float('nan')):.0e})")
+                w = case.get("worst_row")
+                if isinstance(w, dict) and isinstance(w.get("error"), (int, float)):
+                    why.append(f"worst row {w['error']:.1e} (seq {w.get('sequence')} layer {w.get('layer')} row {w.get('row')})")
+                out.append(f"{name}: {', '.join(why) or 'failed'}")
+        rep = cases.get("repeat")
+        if isinstance(rep, dict) and not rep.get("identical"):
+            out.append("repeat: not bit-identical")
+        worker = self.data.get("worker")
+        wp = {p.get("id"): p.get("status") for p in (worker or {}).get("patches") or [] if isinstance(p, dict)} \
+            if isinstance(worker, dict) else {}
+        capture = {k: v for k, v in wp.items() if str(k).startswith("worker-capture")}
+        if not isinstance(worker, dict) or worker.get("error") or not worker.get("captures") \
+                or not capture or any(v != "applied" for v in capture.values()):
+            out.append(f"worker patches not applied ({worker.get('error') if isinstance(worker, dict) else worker}"
+                       f"; {capture or 'no worker-capture patches'})")
+        if self.data.get("passed") is not True:
+            out.append("runner verdict: passed is not true")
+        return out
+
+    def at(self, tree: str | None) -> bool:
+        """Clean evidence produced by the src tree ``tree``."""
+        return not self.flaws and tree is not None and self.src_tree == tree
 
     @property
     def pair(self) -> tuple[str, str, str]:
@@ -151,6 +238,16 @@ class Cell:
         return max(errs) if errs else None
 
     @property
+    def worst_row(self) -> float | None:
+        errs = [
+            c["worst_row"]["error"]
+            for c in (self.data.get("cases") or {}).values()
+            if isinstance(c, dict) and isinstance(c.get("worst_row"), dict)
+            and isinstance(c["worst_row"].get("error"), (int, float))
+        ]
+        return max(errs) if errs else None
+
+    @property
     def variant_name(self) -> str:
         """The cell's name from its file (``e2e_spec-0.4.0.1_deepseek_v3_mla_moe.json`` ->
         ``deepseek_v3_mla_moe``), else the arch."""
@@ -160,33 +257,28 @@ class Cell:
 
     def error_line(self, limit: int = 160) -> str:
         """One line: how this cell failed (error type + message, or which check did not hold)."""
-        if self.error:
-            msg = str(self.error.get("message") or "").strip()
-            first = msg.splitlines()[0] if msg else ""
-            return _one_line(f"{self.error.get('type')}: {first}" if first else str(self.error.get("type")), limit)
         if self.passed:
             return "passed"
-        bad = []
-        for name, case in (self.data.get("cases") or {}).items():
-            if not isinstance(case, dict):
-                continue
-            if name == "repeat":
-                if not case.get("identical", True):
-                    bad.append("repeat: not bit-identical")
-            elif not case.get("passed", True):
-                why = []
-                if not case.get("shapes_ok", True):
-                    why.append("shapes/ids wrong")
-                if isinstance(case.get("max_error"), (int, float)):
-                    why.append(f"max rel err {case['max_error']:.1e} > tol {case.get('tolerance', float('nan')):.0e}")
-                bad.append(f"{name}: {', '.join(why) or 'failed'}")
+        if self.error:
+            return _one_line(self.failures[0], limit)
         ref = "vLLM's own forward" if str(self.data.get("reference")).startswith("vllm") else "HF"
-        return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if bad else "did not pass", limit)
+        bad = self.failures or self.flaws
+        return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if self.failures else "; ".join(bad), limit)
 
     def error_type(self) -> str:
         if self.error:
             return str(self.error.get("type"))
         return "passed" if self.passed else "mismatch"
+
+    def short(self) -> str:
+        """PASS/FAIL as the runner recorded it, with the measured figures."""
+        verdict = "FAIL" if self.failures else "pass"
+        figs = []
+        if self.max_error is not None:
+            figs.append(f"err {self.max_error:.1e}")
+        if self.worst_row is not None:
+            figs.append(f"worst row {self.worst_row:.1e}")
+        return f"{self.arch} {verdict}" + (f" ({', '.join(figs)})" if figs else "")
 
 
 def load_cells(dirs=RESULT_DIRS) -> list[Cell]:
@@ -198,22 +290,23 @@ def load_cells(dirs=RESULT_DIRS) -> list[Cell]:
             try:
                 data = json.loads(path.read_text())
             except (OSError, ValueError) as exc:
-                print(f"skip {path}: {exc}", file=sys.stderr)
+                print(f"skip {path.relative_to(ROOT)}: {exc}", file=sys.stderr)
                 continue
             if not isinstance(data, dict) or not {"arch", "versions", "unpatched"} <= data.keys():
                 continue  # not an e2e cell (throughput etc.)
             cell = Cell(path, data)
             if cell.speculators in ("None", "") or cell.vllm in (None, "None"):
-                print(f"skip {path}: versions missing", file=sys.stderr)
+                print(f"skip {path.relative_to(ROOT)}: versions missing", file=sys.stderr)
                 continue
             cells.append(cell)
     return cells
 
 
 def group(cells: list[Cell]) -> dict:
-    """{pair: {"patched": {arch: Cell}, "unpatched": {arch: Cell}}}, newest file per cell."""
+    """{pair: {"patched": {arch: Cell}, "unpatched": {arch: Cell}, "variants": {name: Cell}}}, the
+    newest run (provenance date; none = oldest; then file name) per cell."""
     out: dict = {}
-    for c in sorted(cells, key=lambda c: c.mtime):
+    for c in sorted(cells, key=lambda c: (c.date, str(c.path))):
         slot = out.setdefault(c.pair, {"patched": {}, "unpatched": {}, "variants": {}})
         # variants are keyed by their file's cell name (one arch may have several, e.g. MLA with/without MoE)
         key = c.variant_name if c.variant else c.arch
@@ -233,54 +326,78 @@ def _pair_sort(pair):
 # --------------------------------------------------------------------------- rows
 
 
-def rows_from(grouped: dict) -> list[dict]:
+def _commits(cells) -> str:
+    commits = sorted({(c.commit or "")[:10] for c in cells if c.commit})
+    return ",".join(commits) if commits else "unknown"
+
+
+def rows_from(grouped: dict, head_tree: str | None) -> list[dict]:
     rows = []
     for pair in sorted(grouped, key=_pair_sort):
         s, v, platform = pair
         patched, unpatched = grouped[pair]["patched"], grouped[pair]["unpatched"]
         variants = grouped[pair]["variants"]
-        newest = max(c.mtime for c in [*patched.values(), *unpatched.values(), *variants.values()])
-        date = _dt.datetime.fromtimestamp(newest, _dt.timezone.utc).strftime("%Y-%m-%d")
+        everything = [*patched.values(), *unpatched.values(), *variants.values()]
+        date = max((c.date[:10] for c in everything if c.date), default="")
         unp = ""
         if unpatched:
             u = unpatched[_arch_sort(unpatched)[0]]
             unp = f"unpatched: {u.error_line(110)}"
+        current = {a: c for a, c in patched.items() if c.at(head_tree)}
+        commit = ""
         if not patched:
             status, evidence = "untested", ("only unpatched runs; " + unp) if unpatched else ""
+        elif any(c.failures for c in current.values()):
+            status = "broken"
+            f = next(current[a] for a in _arch_sort(current) if current[a].failures)
+            ok = [a for a in _arch_sort(current) if current[a].passed]
+            evidence = f"e2e {f.arch} failed at HEAD's src: {f.error_line(200)}"
+            if ok:
+                evidence += f"; passed: {','.join(ok)}"
+            commit = _commits([f])
+        elif all(a in current and current[a].passed for a in STATUS_ARCHS):
+            status = "verified"
+            archs = _arch_sort(current)
+            errs = [current[a].max_error for a in archs if current[a].max_error is not None]
+            rows_ = [current[a].worst_row for a in archs if current[a].worst_row is not None]
+            dtypes = sorted({current[a].dtype for a in archs})
+            evidence = f"e2e {','.join(archs)} vs HF at HEAD's src"
+            if errs:
+                evidence += f" max rel err {max(errs):.1e}"
+            if rows_:
+                evidence += f", worst row {max(rows_):.1e}"
+            evidence += f" ({','.join(dtypes)})"
+            if unp:
+                evidence += "; " + unp
+            commit = _commits(current.values())
         else:
-            failed = [patched[a] for a in _arch_sort(patched) if not patched[a].passed]
-            if failed:
-                status = "broken"
-                f = failed[0]
-                ok = [a for a in _arch_sort(patched) if patched[a].passed]
-                evidence = f"e2e {f.arch} failed: {f.error_line(200)}"
-                if ok:
-                    evidence += f"; passed: {','.join(ok)}"
-            else:
-                status = "verified"
-                archs = _arch_sort(patched)
-                errs = [patched[a].max_error for a in archs if patched[a].max_error is not None]
-                dtypes = sorted({patched[a].dtype for a in archs})
-                evidence = f"e2e {','.join(archs)} vs HF"
-                if errs:
-                    evidence += f" max rel err {max(errs):.1e}"
-                evidence += f" ({','.join(dtypes)})"
-                if unp:
-                    evidence += "; " + unp
+            status = "stale"
+            old = [patched[a] for a in _arch_sort(patched)]
+            why = sorted({"; ".join(c.flaws) if c.flaws else
+                          ("src changed since" if not c.at(head_tree) else "") for c in old} - {""})
+            missing = [a for a in STATUS_ARCHS if a not in current]
+            evidence = (f"not re-run at HEAD's src ({', '.join(missing)} missing); earlier results: "
+                        + ", ".join(c.short() for c in old) + f" [{'; '.join(why)}]")
+            if unp:
+                evidence += "; " + unp
+            commit = _commits(old)
+        cur_variants = {a: c for a, c in variants.items() if c.at(head_tree)}
         ok_variants = [
-            f"{a} {variants[a].max_error:.1e}" if variants[a].max_error is not None else a
-            for a in sorted(variants) if variants[a].passed
+            f"{a} {c.max_error:.1e}" if c.max_error is not None else a
+            for a, c in sorted(cur_variants.items()) if c.passed
         ]
         if ok_variants:
-            evidence += f"; variants passed: {', '.join(ok_variants)}"
-        for a in sorted(variants):
-            if not variants[a].passed:
-                evidence += f"; variant {a} (exploratory, not counted) failed: {variants[a].error_line(100)}"
+            evidence += f"; variants passed at HEAD: {', '.join(ok_variants)}"
+        for a, c in sorted(cur_variants.items()):
+            if not c.passed:
+                evidence += f"; variant {a} (exploratory, not counted) failed: {c.error_line(100)}"
+        old_variants = sorted(a for a in variants if a not in cur_variants)
+        if old_variants:
+            evidence += f"; earlier variants (stale): {', '.join(old_variants)}"
         if not patched and not unpatched:
             status, evidence = "untested", evidence.lstrip("; ")
-        rows.append(
-            {"speculators": s, "vllm": v, "status": status, "platform": platform, "evidence": evidence, "date": date}
-        )
+        rows.append({"speculators": s, "vllm": v, "status": status, "platform": platform,
+                     "evidence": evidence, "date": date, "commit": commit})
     return rows
 
 
@@ -299,7 +416,8 @@ def render_tested(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             "  - {"
-            + ", ".join(f"{k}: {_q(r[k])}" for k in ("speculators", "vllm", "status", "platform", "evidence", "date"))
+            + ", ".join(f"{k}: {_q(r[k])}" for k in ("speculators", "vllm", "status", "platform", "evidence", "date",
+                                                     "commit"))
             + "}"
         )
     return "\n".join(lines) + "\n"
@@ -347,44 +465,58 @@ def validate(text: str) -> None:
 # --------------------------------------------------------------------------- summary
 
 
-def render_summary(grouped: dict, rows: list[dict]) -> str:
+def render_summary(grouped: dict, rows: list[dict], head_tree: str | None) -> str:
     archs = _arch_sort({a for g in grouped.values() for a in [*g["patched"], *g["unpatched"]]})
-    status = {(r["speculators"], r["vllm"], r["platform"]): r["status"] for r in rows}
+    by_pair = {(r["speculators"], r["vllm"], r["platform"]): r for r in rows}
     out = [
         "# End-to-end results: speculators' VllmHiddenStatesGenerator on vLLM, vs HF transformers",
         "",
         "Generated by `scripts/update_tested.py` from the JSON files in this folder"
-        " (and `../gpu/` if present). Each cell: the generator built through speculators' own class on the"
+        " (and `../gpu/`). Each cell: the generator built through speculators' own class on the"
         " installed vLLM, batteries `mixed`/`chunked`/`truncated`/`repeat`, every captured layer compared"
-        " with HF transformers on the same weights. *max err* is the largest relative error over all cases.",
+        " with HF transformers on the same weights: the relative Frobenius error per (sequence, layer)"
+        " (*err*) and every row's own error (*row*: the worst row; bounds in"
+        " `speculators_compat.testing.reference`). A cell counts when its provenance names the"
+        " src tree of HEAD (`git rev-parse HEAD:src`) and a clean tree; older cells are stale"
+        " (their commit is given) and count for nothing until re-run (`make sweep`).",
         "",
-        "Command per cell (`$PY` = `python3 scripts/bed.py python --speculators S --vllm V`):",
+        "Commands (`$PY` = `python3 scripts/bed.py python --speculators S --vllm V`):",
         "",
         "```",
         E2E_COMMAND,
         "```",
         "",
-        "| speculators | vLLM (build) | platform | status | "
-        + " | ".join(f"{a} patched | {a} max err" for a in archs)
+        "| speculators | vLLM (build) | platform | status | commit | "
+        + " | ".join(f"{a} (runner verdict, err, row)" for a in archs)
         + " | unpatched (llama) |",
-        "|" + "---|" * (4 + 2 * len(archs) + 1),
+        "|" + "---|" * (5 + len(archs) + 1),
     ]
     for pair in sorted(grouped, key=_pair_sort):
         g = grouped[pair]
         s, v, platform = pair
         builds = sorted({c.vllm_build for c in [*g["patched"].values(), *g["unpatched"].values()]})
-        cols = [s, f"{v} ({', '.join(builds)})" if builds != [v] else v, platform, status.get(pair, "")]
+        row = by_pair.get(pair, {})
+        cols = [s, f"{v} ({', '.join(builds)})" if builds != [v] else v, platform, row.get("status", ""),
+                row.get("commit", "")]
         for a in archs:
             c = g["patched"].get(a)
             if c is None:
-                cols += ["not run", ""]
+                cols.append("not run")
                 continue
-            cols.append("PASS" if c.passed else "FAIL: " + c.error_line(90).replace("|", "\\|"))
-            cols.append(f"{c.max_error:.2e} ({c.dtype})" if c.max_error is not None else "")
+            cell = ("PASS" if c.passed else "FAIL: " + c.error_line(90).replace("|", "\\|")) if not c.flaws \
+                else ("pass" if not c.failures else "fail") + " (not counted: " + "; ".join(c.flaws) + ")"
+            if c.max_error is not None:
+                cell += f", {c.max_error:.2e}"
+            if c.worst_row is not None:
+                cell += f", row {c.worst_row:.2e}"
+            cell += f" ({c.dtype})" if c.max_error is not None else ""
+            if not c.flaws and not c.at(head_tree):
+                cell += f" [stale: {(c.commit or '')[:10]}]"
+            cols.append(cell)
         u = g["unpatched"].get("llama") or next(iter(g["unpatched"].values()), None)
         if u is None:
             cols.append("not run")
-        elif u.passed:
+        elif not u.failures:
             cols.append("passed (!)")
         else:
             cols.append(f"{u.error_type()}: " + u.error_line(90).split(": ", 1)[-1].replace("|", "\\|"))
@@ -396,31 +528,47 @@ def render_summary(grouped: dict, rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if compat_matrix.yaml would change")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 if compat_matrix.yaml or SUMMARY.md would change (nothing written)")
     ap.add_argument("--no-summary", action="store_true")
     ap.add_argument("--matrix", default=str(MATRIX))
     args = ap.parse_args(argv)
 
+    head_tree = head_src_tree()
+    if head_tree is None:
+        msg = "update_tested: not a git checkout (git rev-parse HEAD:src failed): nothing can be verified"
+        if args.check:
+            print(msg + "; --check skipped")
+            return 0
+        print(msg, file=sys.stderr)
     cells = load_cells()
     grouped = group(cells)
-    rows = rows_from(grouped)
+    rows = rows_from(grouped, head_tree)
     matrix = Path(args.matrix)
     old = matrix.read_text()
     new = replace_tested(old, render_tested(rows))
     validate(new)
+    summary = render_summary(grouped, rows, head_tree)
     if args.check:
+        stale = []
         if new != old:
-            print(f"{matrix}: tested table is out of date (run scripts/update_tested.py)")
+            stale.append(f"{matrix.name}: tested table")
+        if not args.no_summary and (not SUMMARY.exists() or SUMMARY.read_text() != summary):
+            stale.append(str(SUMMARY.relative_to(ROOT)))
+        if stale:
+            print(f"update_tested --check: out of date with the committed results: {', '.join(stale)}"
+                  " (run python3 scripts/update_tested.py and commit)")
             return 1
+        print(f"update_tested --check: {len(rows)} rows agree with {len(cells)} result files")
         return 0
     if new != old:
         matrix.write_text(new)
-    print(f"{matrix}: {len(rows)} tested rows from {len(cells)} result files"
-          f" ({sum(r['status'] == 'verified' for r in rows)} verified,"
-          f" {sum(r['status'] == 'broken' for r in rows)} broken)")
+    counts = {st: sum(r["status"] == st for r in rows) for st in ("verified", "broken", "stale", "untested")}
+    print(f"{matrix.name}: {len(rows)} tested rows from {len(cells)} result files ("
+          + ", ".join(f"{n} {st}" for st, n in counts.items()) + ")")
     if not args.no_summary:
-        SUMMARY.write_text(render_summary(grouped, rows))
-        print(f"wrote {SUMMARY}")
+        SUMMARY.write_text(summary)
+        print(f"wrote {SUMMARY.relative_to(ROOT)}")
     return 0
 
 

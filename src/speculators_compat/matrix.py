@@ -41,12 +41,13 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("speculators", "vllm", "transformers", "torch")
-TESTED_STATUSES = ("verified", "broken", "untested")
+# stale: results exist, but from an earlier src/ tree (or without provenance): treated as untested
+TESTED_STATUSES = ("verified", "broken", "untested", "stale")
 _TOP_KEYS = {"schema", "patches", "tested", "not_applicable"}
 _PATCH_KEYS = {"why", "requires", *VERSIONED_PACKAGES}
 MAX_BYTES = 1 << 20  # 1 MiB: the shipped file is ~20 KB
 MAX_MESSAGE = 400  # characters of one error line
-_TESTED_KEYS = {"speculators", "vllm", "status", "platform", "evidence", "date"}
+_TESTED_KEYS = {"speculators", "vllm", "status", "platform", "evidence", "date", "commit"}
 _NA_KEYS = {"speculators", "why"}
 
 
@@ -139,6 +140,7 @@ class TestedPair:
     platform: str = "cpu"
     evidence: str = ""
     date: str = ""
+    commit: str = ""  # the commit(s) the evidence was produced at (scripts/update_tested.py)
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,7 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
             platform=_optional_text(row, "platform", "cpu", where),
             evidence=_optional_text(row, "evidence", "", where),
             date=_optional_text(row, "date", "", where),
+            commit=_optional_text(row, "commit", "", where),
         )
         key = (pair.speculators, pair.vllm, pair.platform)
         if key in seen_pairs:

@@ -77,3 +77,33 @@ def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
     assert imports and all(f.status == "drift" and "_get_kv_cache_groups_uniform_spec" in f.detail for f in imports)
     site = next(f for f in out["findings"] if f.name == "G: kv_cache_utils._get_kv_cache_groups_uniform_spec")
     assert site.status == "drift" and "not found" in site.detail
+
+
+def _check_with_row(tmp_path, status: str) -> tuple[int, dict]:
+    """`check --json` with a copy of the shipped matrix whose row for the installed pair says ``status``."""
+    import yaml
+
+    from speculators_compat.matrix import matrix_path
+    from speculators_compat.versions import installed_versions
+
+    v = {k: x.version for k, x in installed_versions().items()}
+    data = yaml.safe_load(matrix_path().read_text())
+    data["tested"] = [{"speculators": v["speculators"], "vllm": v["vllm"].split("+")[0], "status": status,
+                       "platform": "cpu", "evidence": f"test row ({status})", "date": "", "commit": "0" * 10}]
+    path = tmp_path / f"matrix_{status}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "speculators_compat", "check", "--json"], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "SPECULATORS_COMPAT_MATRIX": str(path)})
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_a_stale_row_is_untested_and_a_verified_one_supported(tmp_path):
+    """A row whose results came from an earlier src/ tree ('stale') does not make the pair
+    supported: exit 1. The same matrix with the row 'verified' exits 0 (the control)."""
+    code, report = _check_with_row(tmp_path, "stale")
+    table = [f for f in report["findings"] if f["name"] == "tested-table"]
+    assert code == 1 and table and table[0]["status"] == "untested" and "stale" in table[0]["detail"], report
+    code, report = _check_with_row(tmp_path, "verified")
+    assert code == 0, [f for f in report["findings"] if f["status"] not in ("ok", "skipped")]

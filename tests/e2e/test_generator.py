@@ -55,7 +55,12 @@ def test_patched_generator_agrees_with_hf(arch, tmp_path):
     for name in ("mixed", "chunked", "truncated"):
         case = r["cases"][name]
         assert case["shapes_ok"], f"{name}: lengths in {case['lengths_in']} out {case['lengths_out']}"
+        assert case["lengths_out"] == case["lengths_expected"], name
         assert case["passed"], f"{name}: {case['summary']}"
+        # every row was bounded (reference.ROW_TOLERANCE), and the worst one is recorded
+        assert case["rows_over_row_tolerance"] == 0 and case["worst_row"]["error"] <= case["row_tolerance"], case
+    # the code that produced it (outside a git checkout: nulls and the reason)
+    assert r["provenance"].get("src_tree") or r["provenance"].get("reason"), r["provenance"]
     # chunked prefill really happened: more tokens than one scheduler step takes
     assert r["cases"]["chunked"]["tokens"] > 8192
     # truncation kept max_model_len - 1 tokens of the long sequence

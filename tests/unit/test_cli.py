@@ -114,7 +114,7 @@ def test_report_matrix_lists_rows_of_a_users_matrix(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["matrix"] == str(path)
-    assert out["tested_table"] == [row]
+    assert out["tested_table"] == [{**row, "commit": ""}]  # commit: optional, "" when absent
 
 
 def test_report_json_with_an_invalid_user_matrix_exits_3(tmp_path):

@@ -283,7 +283,7 @@ def test_duplicate_key_inside_patch():
 def test_tested_bad_status():
     data = _valid()
     data["tested"][0]["status"] = "works"
-    assert _error(data) == "m.yaml: tested[0].status: 'works' is not one of verified, broken, untested"
+    assert _error(data) == "m.yaml: tested[0].status: 'works' is not one of verified, broken, untested, stale"
 
 
 def test_tested_duplicate_pair():

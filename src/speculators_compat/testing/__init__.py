@@ -5,6 +5,7 @@ functions that need them.
 """
 
 from .reference import (
+    ROW_TOLERANCE,
     TOLERANCE,
     CompareReport,
     compare,
@@ -26,6 +27,7 @@ from .tiny_models import (
 )
 
 __all__ = [
+    "ROW_TOLERANCE",
     "ARCHITECTURES",
     "MOE_ARCHITECTURES",
     "MULTIMODAL_ARCHITECTURES",

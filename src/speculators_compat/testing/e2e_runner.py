@@ -103,8 +103,11 @@ def run(args, progress=None) -> dict:
 
     from speculators_compat.versions import installed_versions
 
+    from speculators_compat.testing.provenance import portable_path, provenance
+
     versions = {k: v.version for k, v in installed_versions().items()}
     result: dict = {
+        "provenance": provenance(getattr(args, "command", None)),
         "arch": args.arch,
         "platform": platform,
         "versions": versions,
@@ -118,7 +121,8 @@ def run(args, progress=None) -> dict:
     model_dir = tiny_models.build_tiny_model(
         args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides
     )
-    result["model_dir"] = str(model_dir)
+    result["model_dir"] = portable_path(model_dir)  # the cache entry's name, no machine path
+    result["max_model_len"] = args.max_model_len
     layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
 
     t0 = time.perf_counter()
@@ -184,8 +188,6 @@ def run(args, progress=None) -> dict:
     max_keep = args.max_model_len - 1
     device = "cuda" if platform == "cuda" else "cpu"
     seqs_by_case = {name: [s[:max_keep] for s in batches[name]] for name in ("mixed", "chunked", "truncated")}
-    # MoE: a single near-tie may still flip an expert in float32 (seen: 1 token of gpt_oss)
-    outliers = 0.01 if args.arch in tiny_models.MOE_ARCHITECTURES else 0.0
 
     # References: name -> {case: [[tensor per layer] per sequence]}; negative controls alike.
     l4s = llama4_scaling.config_value(model_dir)
@@ -228,13 +230,25 @@ def run(args, progress=None) -> dict:
     result["reference"] = primary
 
     captured = {n: [[h.to(device) for h in o["hidden_states"]] for o in outputs[n]] for n in seqs_by_case}
+    if getattr(args, "save_tensors", None):  # raw material for measuring the row-error distribution
+        torch.save({"layer_ids": ids, "sequences": seqs_by_case,
+                    "captured": {n: [[h.cpu() for h in c] for c in cs] for n, cs in captured.items()},
+                    "references": {r: {n: [[h.cpu() for h in c] for c in cs] for n, cs in ref.items()}
+                                   for r, ref in references.items()}}, args.save_tensors)
     result["references"] = {}
     for ref_name, ref in references.items():
         result["references"][ref_name] = {}
         for name in seqs_by_case:
-            rep = compare(captured[name], ref[name], dtype=captured_dtype, max_outlier_fraction=outliers)
+            rep = compare(captured[name], ref[name], dtype=captured_dtype)
+            worst = rep.worst_row
+            if worst is not None:  # name the layer, not its index in the compared list
+                worst = {"sequence": worst["sequence"], "layer": ids[worst["layer_index"]],
+                         "row": worst["row"], "error": worst["error"]}
             result["references"][ref_name][name] = {
-                "max_error": rep.max_error, "passed": rep.passed, "summary": rep.summary()
+                "max_error": rep.max_error, "passed": rep.passed, "summary": rep.summary(),
+                "row_tolerance": rep.row_tolerance, "worst_row": worst,
+                "rows_over_row_tolerance": sum(n for r in rep.rows_over for n in r if n > 0),
+                "row_quantiles": rep.row_quantiles,
             }
     if controls:
         result["negative_controls"] = {
@@ -248,7 +262,8 @@ def run(args, progress=None) -> dict:
         case = result["cases"][name]
         case["lengths_in"] = [len(s) for s in batches[name]]
         case["lengths_out"] = [int(o["input_ids"].shape[0]) for o in out]
-        case["shapes_ok"] = all(
+        case["lengths_expected"] = [len(s) for s in seqs]
+        case["shapes_ok"] = len(out) == len(seqs) and all(
             len(o["hidden_states"]) == len(ids)
             and all(tuple(h.shape) == (len(s), o["hidden_states"][0].shape[-1]) for h in o["hidden_states"])
             and o["input_ids"].tolist() == s
@@ -258,12 +273,17 @@ def run(args, progress=None) -> dict:
         case["reference"] = primary
         case["max_error"] = verdict["max_error"] if verdict else None
         case["tolerance"] = reference_tolerance(captured_dtype)
+        case["row_tolerance"] = verdict.get("row_tolerance") if verdict else None
+        case["worst_row"] = verdict.get("worst_row") if verdict else None
+        case["rows_over_row_tolerance"] = verdict.get("rows_over_row_tolerance") if verdict else None
+        case["row_quantiles"] = verdict.get("row_quantiles") if verdict else None
         case["passed"] = bool(verdict and verdict["passed"]) and case["shapes_ok"]
         case["summary"] = verdict["summary"] if verdict else f"no {primary} reference: {result.get('vllm_reference')}"
         case["tokens_per_s"] = case["tokens"] / case["seconds"] if case["seconds"] else None
     result["cases"]["repeat"] = {
-        "identical": all(
-            all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
+        "identical": len(outputs["mixed"]) == len(outputs["repeat"]) and all(
+            len(x["hidden_states"]) == len(y["hidden_states"])
+            and all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
             for x, y in zip(outputs["mixed"], outputs["repeat"])
         )
     }
@@ -384,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
         "config sets it and HF does not implement it) or the same vLLM engine's own forward with the shim "
         "disabled (testing.vllm_reference); the other comparisons are recorded under 'references'",
     )
+    parser.add_argument(
+        "--save-tensors", default=None, help="also torch.save the captures and references here (for analysis)"
+    )
     parser.add_argument("--reference-timeout", type=int, default=1200, help="seconds for the vLLM reference run")
     return parser
 
@@ -392,10 +415,14 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     result = run(args)
-    text = json.dumps(result, indent=2, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
+    from speculators_compat.testing.provenance import scrub_paths
+
+    text = json.dumps(scrub_paths(json.loads(json.dumps(result, default=str))), indent=2)
+    if args.out:  # whole or not at all: a run killed mid-write leaves the previous result
+        tmp = f"{args.out}.partial"
+        with open(tmp, "w") as f:
             f.write(text)
+        os.replace(tmp, args.out)
     else:
         print(text)
     sys.stdout.flush()

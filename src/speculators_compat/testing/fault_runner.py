@@ -388,8 +388,12 @@ def main(argv=None) -> int:
         help="SIGKILL (dead) or SIGSTOP (stuck) the workers; recover: the battery of faults the generator must survive",
     )
     args = p.parse_args(argv)
+    from speculators_compat.testing.provenance import provenance, scrub_paths
+
+    prov = provenance()
     result = run(args)
-    text = json.dumps(result, indent=2, default=str)
+    result = {"provenance": prov, **scrub_paths(json.loads(json.dumps(result, default=str)))}
+    text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -51,9 +51,11 @@ ARCHITECTURES: tuple[str, ...] = (
 MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava",)
 
 # Mixture-of-experts archs: in bf16/fp16 a few tokens flip near-tied expert choices, so
-# captures differ from an HF reference by more than rounding (see reference.compare's
-# max_outlier_fraction); compare these in float32.
+# captures differ from an HF reference by more than rounding on some rows (reference.compare bounds every row,
+# no allowance); compare these in float32.
 MOE_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+
+MISTRAL_SLIDING_WINDOW = 256
 
 # Bump when anything below changes the files that get written (invalidates the cache).
 FACTORY_VERSION = 1
@@ -175,7 +177,10 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
             architectures=[_ARCH_CLASS[arch]],
         )
     elif arch == "mistral":
-        common.update(head_dim=head_dim, rope_theta=10000.0, sliding_window=None)
+        # a sliding window shorter than the long test sequences (the e2e runner's 300-2,047 tokens):
+        # tokens past it attend to the last MISTRAL_SLIDING_WINDOW positions only, so Mistral runs
+        # another attention path than Llama (with no window its cells were bit-identical to Llama's)
+        common.update(head_dim=head_dim, rope_theta=10000.0, sliding_window=MISTRAL_SLIDING_WINDOW)
     elif arch == "qwen2":
         common.update(rope_theta=10000.0, use_sliding_window=False, sliding_window=None)
     elif arch == "qwen3":
