@@ -388,11 +388,16 @@ def _run_check() -> tuple[int, dict]:
         )
     )
     out["seconds"] = time.perf_counter() - started
+    return verdict(findings, verified, broken), out
+
+
+def verdict(findings: list[Finding], verified: bool, broken: bool) -> int:
+    """3 if anything could not be checked, 2 on any drift, else 0 (verified pair) or 1."""
     if any(f.status == "error" for f in findings):
-        return EXIT_CANNOT, out
+        return EXIT_CANNOT
     if any(f.status == "drift" for f in findings):
-        return EXIT_DRIFT, out
-    return (EXIT_SUPPORTED if verified and not broken else EXIT_UNTESTED), out
+        return EXIT_DRIFT
+    return EXIT_SUPPORTED if verified and not broken else EXIT_UNTESTED
 
 
 def _junit(out: dict, code: int) -> str:

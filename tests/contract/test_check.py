@@ -53,9 +53,8 @@ def test_check_reports_a_resigned_internal_as_drift(monkeypatch):
     monkeypatch.setattr(kcu, "get_kv_cache_config_from_groups", get_kv_cache_config_from_groups)
     code, out = run_check()
     assert code == EXIT_DRIFT
-    site = next(f for f in out["findings"] if f.name.startswith("G: kv_cache_utils.get_kv_cache_config_from_groups"))
-    assert site.status == "drift"
-    assert "kv_cache_groups" in site.detail and "available_memory" in site.detail
+    site = next(f for f in out["findings"] if "get_kv_cache_config_from_groups" in f.name and f.status == "drift")
+    assert "available_memory" in site.detail and "vllm_config, groups" in site.detail
 
 
 def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
@@ -75,5 +74,40 @@ def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
     assert code == EXIT_DRIFT
     imports = [f for f in out["findings"] if f.kind == "import"]
     assert imports and all(f.status == "drift" and "_get_kv_cache_groups_uniform_spec" in f.detail for f in imports)
-    site = next(f for f in out["findings"] if f.name == "G: kv_cache_utils._get_kv_cache_groups_uniform_spec")
+    site = next(f for f in out["findings"] if f.name == "G: vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_spec(kv_cache_spec)")
     assert site.status == "drift" and "not found" in site.detail
+
+
+def _users_matrix(tmp_path, vllm_range_for: dict[str, str] | None = None, all_out: bool = False):
+    import yaml
+
+    from speculators_compat.check import _shipped_matrix_path
+
+    data = yaml.safe_load(_shipped_matrix_path().read_text())
+    for pid, entry in data["patches"].items():
+        if all_out or pid in (vllm_range_for or {}):
+            entry["vllm"] = (vllm_range_for or {}).get(pid, "<0.1")
+    path = tmp_path / "users_matrix.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("all_out", [False, True])
+def test_a_patch_ranged_out_by_a_users_matrix_while_needed_is_drift(tmp_path, all_out):
+    """#16: a matrix that ranges patches out (one, or all) must not make check say 'supported'."""
+    import os
+
+    env = {**os.environ, "SPECULATORS_COMPAT_MATRIX": _users_matrix(tmp_path, {"scheduler-args": "<0.1"}, all_out)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "speculators_compat", "check", "--json"], capture_output=True, text=True, timeout=900, env=env
+    )
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 2, report["verdict"]
+    ranged = [f for f in report["findings"] if f["kind"] == "patch" and f["status"] == "drift" and "left out by" in f["detail"]]
+    assert any(f["name"] == "scheduler-args" for f in ranged), ranged
+    # the same matrix with the shipped range: no such finding
+    env["SPECULATORS_COMPAT_MATRIX"] = _users_matrix(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "speculators_compat", "check", "--json"], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-2000:]

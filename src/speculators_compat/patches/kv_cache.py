@@ -90,7 +90,7 @@ def resolve_layout(executor, vllm_config) -> str | None:
         executor.get_supported_kv_cache_layouts(),
         [s for worker_specs in specs for s in worker_specs.values()],
     )
-    form, problem = first_binding(SET_LAYOUT_FORMS, getattr(type(executor), "set_kv_cache_layout", None))
+    form, problem = first_binding(SET_LAYOUT_FORMS, executor.set_kv_cache_layout)
     if form is None:
         raise TypeError(f"speculators_compat: no known call of set_kv_cache_layout binds: {problem}")
     executor.set_kv_cache_layout(*(_LAYOUT_VALUES[name](layout, vllm_config) for name in form.args))
