@@ -102,9 +102,17 @@ def test_a_patch_ranged_out_by_a_users_matrix_while_needed_is_drift(tmp_path, al
         [sys.executable, "-m", "speculators_compat", "check", "--json"], capture_output=True, text=True, timeout=900, env=env
     )
     report = json.loads(proc.stdout)
-    assert proc.returncode == 2, report["verdict"]
     ranged = [f for f in report["findings"] if f["kind"] == "patch" and f["status"] == "drift" and "left out by" in f["detail"]]
-    assert any(f["name"] == "scheduler-args" for f in ranged), ranged
+    if all_out:
+        # speculators' own import then fails (the transformers-5 patches are out): cannot check (3)
+        # or drift (2), never supported; the patches left out are named
+        assert proc.returncode in (2, 3), report["verdict"]
+        assert ranged, report["findings"]
+    else:
+        assert proc.returncode == 2, report["verdict"]
+        assert any(f["name"] == "scheduler-args" for f in ranged), ranged
+    if all_out:
+        return
     # the same matrix with the shipped range: no such finding
     env["SPECULATORS_COMPAT_MATRIX"] = _users_matrix(tmp_path)
     proc = subprocess.run(
