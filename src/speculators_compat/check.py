@@ -1,13 +1,17 @@
 """``speculators-compat check``: will extraction work with the installed vLLM? No model, no GPU.
 
 Imports vLLM and speculators' generator and worker modules (which runs every patch's gates and
-probes against the real objects), then probes every vLLM internal the generator and worker
-extension rely on — whether or not a patch exists for it — so that a new vLLM that moves
-something no patch knows yet is reported as drift, naming the call site.
+probes against the real objects), then binds every call into vLLM — the calls each applied patch
+declares (``Patch.calls``, the declarations its code calls through) and speculators' own
+unpatched calls (``SPECULATORS_CALLS``) — to the installed signatures (required parameters
+supplied, keywords accepted), and probes the names and keywords no call declaration covers
+(``NAME_SITES``). A new vLLM that moves or re-signs something is drift naming the call site.
+A patch left out by the user's matrix or ``SPECULATORS_COMPAT_PATCHES`` while the shipped matrix
+has it in range and its probe says it applies is drift too.
 
 Exit codes: 0 supported (tested combination, all probes pass) · 1 works but untested (probes
 pass, the pair is not verified in the tested table) · 2 drift (a probe fails) · 3 cannot check
-(not installed, import error).
+(not installed, import error, or an error of check itself: one line, never a traceback).
 """
 
 from __future__ import annotations
@@ -53,31 +57,6 @@ def _params(module: str, attr: str, names: tuple[str, ...]) -> Callable[[], str 
         except (ImportError, AttributeError) as exc:
             return f"expected {module}.{attr}; not found ({exc})"
         return require_params(obj, names, f"{module}.{attr}")
-
-    return probe
-
-
-def _methods(module: str, attr: str, names: tuple[str, ...]) -> Callable[[], str | None]:
-    def probe():
-        try:
-            cls = import_attr(module, attr)
-        except (ImportError, AttributeError) as exc:
-            return f"expected {module}.{attr}; not found ({exc})"
-        missing = [n for n in names if not callable(getattr(cls, n, None))]
-        if missing:
-            return f"expected {attr}.{', '.join(missing)}(); not found on {describe(cls)}"
-        return None
-
-    return probe
-
-
-def _method_params(module: str, cls_name: str, method: str, names: tuple[str, ...]) -> Callable[[], str | None]:
-    def probe():
-        try:
-            fn = getattr(import_attr(module, cls_name), method)
-        except (ImportError, AttributeError) as exc:
-            return f"expected {module}.{cls_name}.{method}; not found ({exc})"
-        return require_params(fn, names, f"{cls_name}.{method}")
 
     return probe
 
