@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from xml.sax.saxutils import escape, quoteattr
 
 from .layers import ADAPTERS, adapter_for
-from .patches._signatures import GENERATOR, WORKER, describe, first_binding, import_attr, require_params
+from .patches._signatures import GENERATOR, WORKER, first_binding, import_attr, require_params
 from .registry import Call
 
 EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
