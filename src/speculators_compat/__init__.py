@@ -32,6 +32,7 @@ HOOK_MODULES = (
     "transformers",
     "transformers.configuration_utils",
     "vllm.utils",
+    "vllm.v1.core.kv_cache_utils",
     "speculators.data_generation.vllm_hidden_states_generator",
     "speculators.data_generation.custom_worker",
     "vllm.v1.worker.gpu.model_runner",
@@ -183,10 +184,20 @@ def context_line() -> str:
     )
 
 
+def _cli_process() -> bool:
+    """True when this process is the ``speculators-compat`` command (console script or ``-m``)."""
+    argv = list(getattr(sys, "orig_argv", None) or ())
+    if "-m" in argv:
+        return argv[argv.index("-m") + 1 : argv.index("-m") + 2] in (["speculators_compat"], ["speculators_compat.cli"])
+    return any(os.path.basename(a) == "speculators-compat" for a in argv[:2])
+
+
 def _auto_activate() -> None:
     try:
         activate()
     except ValueError as exc:  # bad SPECULATORS_COMPAT_PATCHES: a clear one-line error
+        if _cli_process():
+            return  # the command reports it (check/report: one line, exit 3), not a traceback at import
         raise ValueError(f"speculators_compat: {exc}") from None
 
 

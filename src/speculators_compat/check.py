@@ -1,13 +1,17 @@
 """``speculators-compat check``: will extraction work with the installed vLLM? No model, no GPU.
 
 Imports vLLM and speculators' generator and worker modules (which runs every patch's gates and
-probes against the real objects), then probes every vLLM internal the generator and worker
-extension rely on — whether or not a patch exists for it — so that a new vLLM that moves
-something no patch knows yet is reported as drift, naming the call site.
+probes against the real objects), then binds every call into vLLM — the calls each applied patch
+declares (``Patch.calls``, the declarations its code calls through) and speculators' own
+unpatched calls (``SPECULATORS_CALLS``) — to the installed signatures (required parameters
+supplied, keywords accepted), and probes the names and keywords no call declaration covers
+(``NAME_SITES``). A new vLLM that moves or re-signs something is drift naming the call site.
+A patch left out by the user's matrix or ``SPECULATORS_COMPAT_PATCHES`` while the shipped matrix
+has it in range and its probe says it applies is drift too.
 
 Exit codes: 0 supported (tested combination, all probes pass) · 1 works but untested (probes
 pass, the pair is not verified in the tested table) · 2 drift (a probe fails) · 3 cannot check
-(not installed, import error).
+(not installed, import error, or an error of check itself: one line, never a traceback).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from dataclasses import asdict, dataclass
 from xml.sax.saxutils import escape, quoteattr
 
 from .layers import ADAPTERS, adapter_for
-from .patches._signatures import GENERATOR, WORKER, describe, import_attr, require_params
+from .patches._signatures import GENERATOR, WORKER, first_binding, import_attr, require_params
+from .registry import Call
 
 EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
 
@@ -52,31 +57,6 @@ def _params(module: str, attr: str, names: tuple[str, ...]) -> Callable[[], str 
         except (ImportError, AttributeError) as exc:
             return f"expected {module}.{attr}; not found ({exc})"
         return require_params(obj, names, f"{module}.{attr}")
-
-    return probe
-
-
-def _methods(module: str, attr: str, names: tuple[str, ...]) -> Callable[[], str | None]:
-    def probe():
-        try:
-            cls = import_attr(module, attr)
-        except (ImportError, AttributeError) as exc:
-            return f"expected {module}.{attr}; not found ({exc})"
-        missing = [n for n in names if not callable(getattr(cls, n, None))]
-        if missing:
-            return f"expected {attr}.{', '.join(missing)}(); not found on {describe(cls)}"
-        return None
-
-    return probe
-
-
-def _method_params(module: str, cls_name: str, method: str, names: tuple[str, ...]) -> Callable[[], str | None]:
-    def probe():
-        try:
-            fn = getattr(import_attr(module, cls_name), method)
-        except (ImportError, AttributeError) as exc:
-            return f"expected {module}.{cls_name}.{method}; not found ({exc})"
-        return require_params(fn, names, f"{cls_name}.{method}")
 
     return probe
 
@@ -134,8 +114,10 @@ def _decoder_layers() -> Callable[[], str | None]:
     return probe
 
 
-# Every vLLM internal speculators' generator (G) and worker extension (W) import or call.
-CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
+# vLLM internals speculators' generator (G) and worker extension (W) use that are not calls the
+# shim's patches declare: names and keywords only (the config classes: their calls are adapted
+# by the config patches, which add or drop arguments per release).
+NAME_SITES: list[tuple[str, Callable[[], str | None]]] = [
     ("G: vllm.config.ModelConfig(model, tokenizer, trust_remote_code, dtype, max_model_len, enforce_eager)",
      _params("vllm.config", "ModelConfig", ("model", "tokenizer", "trust_remote_code", "dtype", "max_model_len", "enforce_eager"))),
     ("G: vllm.config.CacheConfig(block_size, gpu_memory_utilization)",
@@ -148,34 +130,8 @@ CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
      _params("vllm.config", "VllmConfig", ("model_config", "cache_config", "parallel_config", "scheduler_config", "device_config", "load_config"))),
     ("G: vllm.config.DeviceConfig", _attr("vllm.config", "DeviceConfig")),
     ("G: vllm.config.LoadConfig", _attr("vllm.config", "LoadConfig")),
-    ("G: vllm.sampling_params.SamplingParams(max_tokens, temperature)",
-     _params("vllm.sampling_params", "SamplingParams", ("max_tokens", "temperature"))),
-    ("G: kv_cache_utils._get_kv_cache_groups_uniform_spec", _attr("vllm.v1.core.kv_cache_utils", "_get_kv_cache_groups_uniform_spec")),
-    ("G: kv_cache_utils.unify_hybrid_kv_cache_specs", _attr("vllm.v1.core.kv_cache_utils", "unify_hybrid_kv_cache_specs")),
-    ("G: kv_cache_utils.get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, available_memory)",
-     _params("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups", ("vllm_config", "kv_cache_groups", "available_memory"))),
-    ("G(0.4.x): kv_cache_utils.get_request_block_hasher", _attr("vllm.v1.core.kv_cache_utils", "get_request_block_hasher")),
-    ("G(0.4.x): kv_cache_utils.init_none_hash", _attr("vllm.v1.core.kv_cache_utils", "init_none_hash")),
-    ("G(0.4.x): vllm.utils.hashing.get_hash_fn_by_name (0.11.0: vllm.utils.get_hash_fn_by_name, aliased by hashing-module-alias)",
-     _any_of(_attr("vllm.utils.hashing", "get_hash_fn_by_name"), _attr("vllm.utils", "get_hash_fn_by_name"))),
-    ("G: Scheduler(vllm_config, kv_cache_config, structured_output_manager)",
-     _params("vllm.v1.core.sched.scheduler", "Scheduler", ("vllm_config", "kv_cache_config", "structured_output_manager"))),
-    ("G: Scheduler.schedule/add_request/update_from_output/finish_requests/has_unfinished_requests",
-     _methods("vllm.v1.core.sched.scheduler", "Scheduler", ("schedule", "add_request", "update_from_output", "finish_requests", "has_unfinished_requests", "get_num_unfinished_requests"))),
-    ("G: Request(request_id, prompt_token_ids, sampling_params, pooling_params, arrival_time)",
-     _params("vllm.v1.request", "Request", ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time"))),
     ("G: RequestStatus.FINISHED_ABORTED", lambda: None if hasattr(import_attr("vllm.v1.request", "RequestStatus"), "FINISHED_ABORTED") else "expected RequestStatus.FINISHED_ABORTED; not found"),
-    ("G: StructuredOutputManager(vllm_config)", _params("vllm.v1.structured_output", "StructuredOutputManager", ("vllm_config",))),
-    ("G: MultiprocExecutor(vllm_config)", _params("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", ("vllm_config",))),
-    ("G: MultiprocExecutor.collective_rpc/execute_model/initialize_from_config/shutdown",
-     _methods("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", ("collective_rpc", "execute_model", "initialize_from_config", "shutdown"))),
-    ("G: MultiprocExecutor.collective_rpc(method, args, unique_reply_rank)",
-     _method_params("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "collective_rpc", ("method", "args", "unique_reply_rank"))),
-    ("W: vllm.distributed.get_pp_group", _attr("vllm.distributed", "get_pp_group")),
-    ("W: vllm.distributed.get_tp_group", _attr("vllm.distributed", "get_tp_group")),
     ("W: vllm.sequence.IntermediateTensors", _attr("vllm.sequence", "IntermediateTensors")),
-    ("W(0.3.0): vllm.model_executor.models.interfaces.supports_eagle3",
-     _attr("vllm.model_executor.models.interfaces", "supports_eagle3")),
     ("W: plugins load before worker_extension_cls is resolved (vllm.general_plugins reaches workers)",
      _any_of(
          _source_contains("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "load_general_plugins", "call load_general_plugins"),
@@ -183,6 +139,141 @@ CALL_SITES: list[tuple[str, Callable[[], str | None]]] = [
      )),
     ("W: decoder-layer adapters for the known architectures", _decoder_layers()),
 ]
+
+_KCU = "vllm.v1.core.kv_cache_utils"
+_EXEC = "vllm.v1.executor.multiproc_executor"
+_SCHED = "vllm.v1.core.sched.scheduler"
+
+# Calls speculators' code makes that no shim patch rewrites (G: generator, W: worker extension,
+# D: the shim's step driver in patches/execution.py, which calls them as speculators does). The
+# patches' own calls come from their ``calls=`` declarations (registry.Call).
+SPECULATORS_CALLS: list[tuple[str, Call | tuple[Call, ...]]] = [
+    ("G", Call(_KCU, "unify_hybrid_kv_cache_specs", args=("kv_cache_spec",))),
+    ("G", Call(_KCU, "_get_kv_cache_groups_uniform_spec", args=("kv_cache_spec",))),
+    ("G", Call(_KCU, "get_request_block_hasher", args=("block_size", "caching_hash_fn"), speculators=">=0.4")),
+    ("G", Call(_KCU, "init_none_hash", args=("caching_hash_fn",), speculators=">=0.4")),
+    ("G", Call("vllm.utils.hashing", "get_hash_fn_by_name", args=("hash_fn_name",), speculators=">=0.4")),
+    ("G", Call("vllm.sampling_params", "SamplingParams", kwargs=("max_tokens", "temperature"))),
+    ("G", Call("vllm.v1.structured_output", "StructuredOutputManager", kwargs=("vllm_config",))),
+    ("G", Call(_EXEC, "MultiprocExecutor", kwargs=("vllm_config",))),
+    ("G", Call(_EXEC, "MultiprocExecutor.collective_rpc", args=("method",))),
+    ("G", Call(_EXEC, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("args",))),
+    ("G", Call(_EXEC, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("unique_reply_rank",))),
+    ("G", Call(_EXEC, "MultiprocExecutor.initialize_from_config", args=("kv_cache_configs",))),
+    ("G", Call(_EXEC, "MultiprocExecutor.shutdown")),
+    ("D", Call(_EXEC, "MultiprocExecutor.execute_model", args=("scheduler_output",))),
+    ("D", Call(_EXEC, "MultiprocExecutor.sample_tokens", args=("grammar_output",), optional=True)),
+    ("D", Call(_SCHED, "Scheduler.schedule")),
+    ("D", Call(_SCHED, "Scheduler.add_request", args=("request",))),
+    ("D", Call(_SCHED, "Scheduler.update_from_output", args=("scheduler_output", "model_runner_output"))),
+    ("D", Call(_SCHED, "Scheduler.finish_requests", args=("request_ids", "finished_status"))),
+    ("D", Call(_SCHED, "Scheduler.has_unfinished_requests")),
+    ("D", Call(_SCHED, "Scheduler.get_num_unfinished_requests")),
+    ("W", Call("vllm.distributed", "get_pp_group")),
+    ("W", Call("vllm.distributed", "get_tp_group")),
+    ("W", Call("vllm.model_executor.models.interfaces", "supports_eagle3", args=("model",), speculators="==0.3.0")),
+]
+
+
+def _for_speculators(call: Call, speculators_version: str | None) -> bool:
+    if not call.speculators or not speculators_version:
+        return True
+    from packaging.specifiers import SpecifierSet
+
+    from .versions import in_range
+
+    return in_range(speculators_version, SpecifierSet(call.speculators))
+
+
+def call_findings(origin: str, spec, speculators_version: str | None) -> Finding | None:
+    """Bind one declared call (or the first binding of its alternative forms) to the installed
+    signature; None where the call does not apply to this speculators release."""
+    forms = tuple(f for f in (spec if isinstance(spec, tuple) else (spec,)) if _for_speculators(f, speculators_version))
+    if not forms:
+        return None
+    head = forms[0]
+    name = f"{origin}: {head.module}.{head.describe()}" + (f" (or {len(forms) - 1} other form(s))" if len(forms) > 1 else "")
+    try:
+        form, problem = first_binding(forms)
+    except Exception as exc:  # noqa: BLE001 - a probe never crashes check
+        form, problem = None, f"binding raised {type(exc).__name__}: {exc}"
+    if form is not None:
+        return Finding("call-site", f"{origin}: {head.module}.{form.describe()}", "ok", "")
+    return Finding("call-site", name, "drift", problem or "no form binds")
+
+
+def declared_calls(reg, statuses: list[dict]) -> list[tuple[str, object]]:
+    """(origin, Call | forms) of speculators' own calls and of every applied patch's ``calls``."""
+    out = [(origin, spec) for origin, spec in SPECULATORS_CALLS]
+    applied = {r["id"] for r in statuses if r["status"] == "applied"}
+    for pid, patch in reg.patches.items():
+        if pid in applied:
+            out.extend((f"patch {pid}", spec) for spec in patch.calls)
+    return out
+
+
+def _shipped_matrix_path():
+    from pathlib import Path
+
+    from . import matrix as matrix_module
+
+    packaged = Path(matrix_module.__file__).with_name("compat_matrix.yaml")
+    return packaged if packaged.is_file() else Path(matrix_module.__file__).resolve().parents[2] / "compat_matrix.yaml"
+
+
+_RANGED_OUT = ("excluded by SPECULATORS_COMPAT_PATCHES", "not selected by SPECULATORS_COMPAT_PATCHES", "not needed: ")
+
+
+def ranged_out_findings(reg, statuses: list[dict], versions: dict) -> list[Finding]:
+    """A patch that the user's matrix or SPECULATORS_COMPAT_PATCHES left out, although the shipped
+    matrix has it in range and its probe of the real objects says it would apply: the generator
+    runs without a fix it needs. Reported as drift, never as supported."""
+    from pathlib import Path
+
+    from .matrix import load_matrix
+    from .registry import MISSING, NotNeeded, _resolve_parent
+
+    skipped = [r for r in statuses if r["status"] == "skipped" and r["reason"].startswith(_RANGED_OUT)]
+    if not skipped:
+        return []
+    shipped = load_matrix(_shipped_matrix_path(), known_ids=set(reg.patches))
+    user_matrix = Path(reg.matrix.path).resolve() != Path(shipped.path).resolve()
+    if shipped.not_applicable_reason(versions.get("speculators")):
+        return []
+    out = []
+    for rec in skipped:
+        pid, reason = rec["id"], rec["reason"]
+        by_matrix = reason.startswith("not needed: ")
+        if by_matrix and not user_matrix:
+            continue
+        if by_matrix and "outside" not in reason and "not installed" not in reason:
+            continue  # the probe said not needed, not the matrix
+        if pid not in shipped.patches or shipped.patches[pid].gate(versions) is not None:
+            continue
+        patch = reg.patches[pid]
+        try:
+            parent, attribute = _resolve_parent(*patch.owner)
+            current = getattr(parent, attribute, MISSING)
+        except (KeyError, AttributeError):
+            continue  # its target is not imported here: nothing would apply it either
+        try:
+            problem = patch.probe(current)
+        except Exception as exc:  # noqa: BLE001
+            problem = f"probe raised {type(exc).__name__}: {exc}"
+        if isinstance(problem, NotNeeded):
+            continue
+        who = f"the matrix {reg.matrix.path}" if by_matrix else "SPECULATORS_COMPAT_PATCHES"
+        verdict = f"its probe fails too: {problem}" if problem else "its probe says it applies here"
+        out.append(
+            Finding(
+                "patch",
+                pid,
+                "drift",
+                f"left out by {who} ({reason}), but the shipped matrix has it in range for these versions and "
+                f"{verdict}; the generator runs without: {shipped.patches[pid].why}",
+            )
+        )
+    return out
 
 
 def _import_finding(module: str, exc: BaseException) -> Finding:
@@ -197,7 +288,22 @@ def _import_finding(module: str, exc: BaseException) -> Finding:
     return Finding("import", module, "error", detail)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else f"{type(exc).__name__} (no message)"
+
+
 def run_check() -> tuple[int, dict]:
+    """The verdict; an internal error of check itself (MemoryError included) is exit 3, never 1."""
+    try:
+        return _run_check()
+    except (Exception, MemoryError) as exc:  # noqa: BLE001 - "cannot check" with one line
+        line = _one_line(exc)
+        finding = Finding("import", "speculators-compat check", "error", f"cannot check: {line}")
+        return EXIT_CANNOT, {"versions": {}, "findings": [finding], "internal_error": line}
+
+
+def _run_check() -> tuple[int, dict]:
     import speculators_compat
     from .matrix import MatrixError
 
@@ -231,18 +337,24 @@ def run_check() -> tuple[int, dict]:
             __import__(module)
         except Exception as exc:  # noqa: BLE001
             findings.append(_import_finding(module, exc))
-    for name, probe in CALL_SITES:
+    for name, probe in NAME_SITES:
         try:
             problem = probe()
         except Exception as exc:  # noqa: BLE001
             problem = f"probe raised {type(exc).__name__}: {exc}"
         findings.append(Finding("call-site", name, "drift" if problem else "ok", problem or ""))
-    for rec in speculators_compat.report():
+    statuses = speculators_compat.report()
+    for origin, spec in declared_calls(reg, statuses):
+        finding = call_findings(origin, spec, versions.get("speculators"))
+        if finding is not None:
+            findings.append(finding)
+    for rec in statuses:
         status = rec["status"]
         if status == "failed":
             findings.append(Finding("patch", rec["id"], "drift", f"{rec['target']}: {rec['reason']}"))
         else:
             findings.append(Finding("patch", rec["id"], "ok" if status == "applied" else "skipped", rec["reason"]))
+    findings.extend(ranged_out_findings(reg, statuses, versions))
     rows = matrix.tested_status(versions["speculators"], versions["vllm"])
     verified = any(r.status == "verified" for r in rows)
     broken = any(r.status == "broken" for r in rows)
@@ -255,11 +367,16 @@ def run_check() -> tuple[int, dict]:
         )
     )
     out["seconds"] = time.perf_counter() - started
+    return verdict(findings, verified, broken), out
+
+
+def verdict(findings: list[Finding], verified: bool, broken: bool) -> int:
+    """3 if anything could not be checked, 2 on any drift, else 0 (verified pair) or 1."""
     if any(f.status == "error" for f in findings):
-        return EXIT_CANNOT, out
+        return EXIT_CANNOT
     if any(f.status == "drift" for f in findings):
-        return EXIT_DRIFT, out
-    return (EXIT_SUPPORTED if verified and not broken else EXIT_UNTESTED), out
+        return EXIT_DRIFT
+    return EXIT_SUPPORTED if verified and not broken else EXIT_UNTESTED
 
 
 def _junit(out: dict, code: int) -> str:
@@ -301,13 +418,38 @@ def _run_with_stdout_on_stderr():
 
 
 def cmd_check(args) -> int:
+    """Exit 0-3 as documented; anything that goes wrong in check itself (an unwritable --junit
+    path, MemoryError, a bad SPECULATORS_COMPAT_PATCHES) is one line on stderr and exit 3."""
+    import sys
+
+    try:
+        return _cmd_check(args)
+    except (Exception, MemoryError) as exc:  # noqa: BLE001
+        print(f"speculators-compat check: cannot check: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_CANNOT
+
+
+def _cmd_check(args) -> int:
+    import sys
+
     code, out = _run_with_stdout_on_stderr()
     serial = {**out, "findings": [asdict(f) for f in out["findings"]], "exit_code": code, "verdict": EXIT_WORDS[code]}
     if args.junit:
-        with open(args.junit, "w") as fh:
-            fh.write(_junit(out, code))
+        try:
+            with open(args.junit, "w") as fh:
+                fh.write(_junit(out, code))
+        except OSError as exc:
+            print(
+                f"speculators-compat check: cannot write --junit {args.junit}: {exc.strerror or exc} "
+                f"(the verdict was: {EXIT_WORDS[code]}, exit {code})",
+                file=sys.stderr,
+            )
+            return EXIT_CANNOT
     if args.json:
         print(json.dumps(serial, indent=2))
+        return code
+    if out.get("internal_error"):
+        print(f"speculators-compat check: cannot check: {out['internal_error']}", file=sys.stderr)
         return code
     v = out["versions"]
     print(f"speculators {v.get('speculators')} · vLLM {v.get('vllm')} · transformers {v.get('transformers')} · torch {v.get('torch')}")

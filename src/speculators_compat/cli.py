@@ -91,6 +91,13 @@ def cmd_report(args) -> int:
     return 0 if matrix_error is None else 3
 
 
+def _cannot(command: str, exc: BaseException) -> int:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0][:300]}" if text else f"{type(exc).__name__} (no message)"
+    print(f"speculators-compat {command}: cannot {'check' if command == 'check' else 'report'}: {line}", file=sys.stderr)
+    return 3
+
+
 def main(argv: list[str] | None = None) -> int:
     import speculators_compat
 
@@ -115,11 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", default=None, help="write the demo's measurements to this file")
     args = parser.parse_args(argv)
     if args.command == "report":
-        return cmd_report(args)
+        try:
+            return cmd_report(args)
+        except (Exception, MemoryError) as exc:  # noqa: BLE001 - exit 3 with one line, never 1 with a traceback
+            return _cannot("report", exc)
     if args.command == "check":
-        from .check import cmd_check
+        try:
+            from .check import cmd_check
 
-        return cmd_check(args)
+            return cmd_check(args)
+        except (Exception, MemoryError) as exc:  # noqa: BLE001
+            return _cannot("check", exc)
     if args.command == "demo":
         from .demo import run_demo
 

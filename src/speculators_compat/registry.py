@@ -31,6 +31,7 @@ logger = logging.getLogger("speculators_compat")
 
 __all__ = [
     "MISSING",
+    "Call",
     "NotNeeded",
     "Patch",
     "PatchConflict",
@@ -63,6 +64,40 @@ class PatchError(RuntimeError):
     """A patch could not be applied and the user asked for it to be fatal."""
 
 
+@dataclass(frozen=True)
+class Call:
+    """One call into vLLM that a patch makes, or that the speculators code it keeps makes.
+
+    ``module``/``attr``: where vLLM defines the callable (``attr`` dotted: ``Class.method``; a
+    class means its constructor). ``args``: what is passed positionally (their names are for
+    messages, their count binds); ``kwargs``: the keyword names passed. ``speculators``: a PEP 440
+    specifier limiting the call to those speculators releases ("" = all). ``optional``: the
+    patch calls it only where it exists (a fallback covers its absence).
+
+    ``speculators-compat check`` binds every declared call against the installed signature
+    (required parameters supplied, keywords accepted), so a patch and its probe cannot drift
+    apart: the declaration is what the patch's code uses (see ``Patch.calls``).
+    """
+
+    module: str
+    attr: str
+    args: tuple[str, ...] = ()
+    kwargs: tuple[str, ...] = ()
+    speculators: str = ""
+    optional: bool = False
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+    def describe(self) -> str:
+        return f"{self.attr}({', '.join(self.args + tuple(f'{k}=' for k in self.kwargs))})"
+
+
+# ``Patch.calls`` entries: a Call, or a tuple of Calls = the forms the patch chooses between by the
+# installed signature (one of them must bind).
+CallSpec = "Call | tuple[Call, ...]"
+
 ProbeFn = Callable[[Any], "str | None"]
 BuildFn = Callable[[Any], Any]
 
@@ -87,6 +122,7 @@ class Patch:
     owner_module: str | None = None
     doc: str = ""
     module_alias: str | None = None  # a module the patch registers in sys.modules (stand-ins)
+    calls: tuple = ()  # Call | tuple[Call, ...] (alternative forms): the vLLM calls made; bound by check
 
     @property
     def owner(self) -> tuple[str, str]:
@@ -106,6 +142,7 @@ def wrapper_patch(
     wrapper: Callable,
     probe: ProbeFn,
     doc: str = "",
+    calls: tuple = (),
 ) -> Patch:
     """A patch that wraps ``module:attribute`` with a wrapt wrapper(wrapped, instance, args, kwargs)."""
     import wrapt
@@ -115,7 +152,7 @@ def wrapper_patch(
             raise AttributeError(f"{module}:{attribute} does not exist")
         return wrapt.FunctionWrapper(original, wrapper)
 
-    return Patch(id=id, family=family, hook_module=module, attribute=attribute, build=build, probe=probe, doc=doc)
+    return Patch(id=id, family=family, hook_module=module, attribute=attribute, build=build, probe=probe, doc=doc, calls=calls)
 
 
 @dataclass

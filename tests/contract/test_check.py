@@ -53,9 +53,8 @@ def test_check_reports_a_resigned_internal_as_drift(monkeypatch):
     monkeypatch.setattr(kcu, "get_kv_cache_config_from_groups", get_kv_cache_config_from_groups)
     code, out = run_check()
     assert code == EXIT_DRIFT
-    site = next(f for f in out["findings"] if f.name.startswith("G: kv_cache_utils.get_kv_cache_config_from_groups"))
-    assert site.status == "drift"
-    assert "kv_cache_groups" in site.detail and "available_memory" in site.detail
+    site = next(f for f in out["findings"] if "get_kv_cache_config_from_groups" in f.name and f.status == "drift")
+    assert "available_memory" in site.detail and "vllm_config, groups" in site.detail
 
 
 def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
@@ -75,7 +74,7 @@ def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
     assert code == EXIT_DRIFT
     imports = [f for f in out["findings"] if f.kind == "import"]
     assert imports and all(f.status == "drift" and "_get_kv_cache_groups_uniform_spec" in f.detail for f in imports)
-    site = next(f for f in out["findings"] if f.name == "G: kv_cache_utils._get_kv_cache_groups_uniform_spec")
+    site = next(f for f in out["findings"] if f.name == "G: vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_spec(kv_cache_spec)")
     assert site.status == "drift" and "not found" in site.detail
 
 
@@ -107,3 +106,46 @@ def test_a_stale_row_is_untested_and_a_verified_one_supported(tmp_path):
     assert code == 1 and table and table[0]["status"] == "untested" and "stale" in table[0]["detail"], report
     code, report = _check_with_row(tmp_path, "verified")
     assert code == 0, [f for f in report["findings"] if f["status"] not in ("ok", "skipped")]
+
+
+def _users_matrix(tmp_path, vllm_range_for: dict[str, str] | None = None, all_out: bool = False):
+    import yaml
+
+    from speculators_compat.check import _shipped_matrix_path
+
+    data = yaml.safe_load(_shipped_matrix_path().read_text())
+    for pid, entry in data["patches"].items():
+        if all_out or pid in (vllm_range_for or {}):
+            entry["vllm"] = (vllm_range_for or {}).get(pid, "<0.1")
+    path = tmp_path / "users_matrix.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("all_out", [False, True])
+def test_a_patch_ranged_out_by_a_users_matrix_while_needed_is_drift(tmp_path, all_out):
+    """#16: a matrix that ranges patches out (one, or all) must not make check say 'supported'."""
+    import os
+
+    env = {**os.environ, "SPECULATORS_COMPAT_MATRIX": _users_matrix(tmp_path, {"scheduler-args": "<0.1"}, all_out)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "speculators_compat", "check", "--json"], capture_output=True, text=True, timeout=900, env=env
+    )
+    report = json.loads(proc.stdout)
+    ranged = [f for f in report["findings"] if f["kind"] == "patch" and f["status"] == "drift" and "left out by" in f["detail"]]
+    if all_out:
+        # speculators' own import then fails (the transformers-5 patches are out): cannot check (3)
+        # or drift (2), never supported; the patches left out are named
+        assert proc.returncode in (2, 3), report["verdict"]
+        assert ranged, report["findings"]
+    else:
+        assert proc.returncode == 2, report["verdict"]
+        assert any(f["name"] == "scheduler-args" for f in ranged), ranged
+    if all_out:
+        return
+    # the same matrix with the shipped range: no such finding
+    env["SPECULATORS_COMPAT_MATRIX"] = _users_matrix(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "speculators_compat", "check", "--json"], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-2000:]

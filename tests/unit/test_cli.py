@@ -133,3 +133,61 @@ def test_demo_uses_the_e2e_runners_own_options():
 
     ns = e2e_runner.build_parser().parse_args(["--arch", "qwen3"])
     assert ns.arch == "qwen3" and ns.overrides is None and ns.unpatched is False
+
+
+# -- #16 item 5: an error of check/report itself is exit 3 with one line, never 1 with a traceback
+
+
+@pytest.mark.parametrize("command", ["check", "report"])
+def test_an_unknown_patch_id_is_exit_3_with_one_line(command):
+    proc = cli(command, SPECULATORS_COMPAT_PATCHES="-no-such-patch")
+    assert proc.returncode == 3, proc
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert len(err) == 1 and "no-such-patch" in err[0], proc.stderr
+
+
+def _verdict_1(monkeypatch):
+    from speculators_compat import check
+
+    monkeypatch.setattr(check, "run_check", lambda: (1, {"versions": {"vllm": "x"}, "findings": []}))
+    return check
+
+
+def test_an_unwritable_junit_path_after_the_verdict_is_exit_3(monkeypatch, capsys, tmp_path):
+    import argparse
+
+    check = _verdict_1(monkeypatch)
+    args = argparse.Namespace(json=False, junit=str(tmp_path / "no" / "such" / "dir" / "x.xml"), verbose=False)
+    assert check.cmd_check(args) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--junit" in err[0] and "exit 1" in err[0], err
+    args.junit = str(tmp_path / "ok.xml")  # the same verdict with a writable path: 1
+    assert check.cmd_check(args) == 1
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), RuntimeError("boom")])
+def test_an_error_inside_check_is_exit_3(monkeypatch, capsys, exc):
+    from speculators_compat import check
+
+    def fail():
+        raise exc
+
+    monkeypatch.setattr(check, "_run_check", fail)
+    code, out = check.run_check()
+    assert code == 3 and out["findings"][0].status == "error"
+    assert main(["check"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and type(exc).__name__ in err[0], err
+
+
+def test_an_error_inside_report_is_exit_3(monkeypatch, capsys):
+    from speculators_compat import cli as cli_module
+
+    def fail(args):
+        raise MemoryError
+
+    monkeypatch.setattr(cli_module, "cmd_report", fail)
+    assert main(["report"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MemoryError" in err[0]

@@ -64,3 +64,64 @@ def import_attr(module: str, attr: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+class _Arg:
+    """A stand-in argument for binding a declared call (never called)."""
+
+    def __repr__(self) -> str:
+        return "<arg>"
+
+
+def _needs_self(module: str, attr: str, obj: Any) -> bool:
+    """``Class.method`` read off the class: a plain function whose first parameter is the instance."""
+    if "." not in attr:
+        return False
+    parent = import_attr(module, attr.rsplit(".", 1)[0])
+    if not inspect.isclass(parent):
+        return False
+    try:
+        raw = inspect.getattr_static(parent, attr.rsplit(".", 1)[1])
+    except AttributeError:
+        return False
+    return not isinstance(raw, (staticmethod, classmethod)) and not inspect.ismethod(obj)
+
+
+def bind_problem(call, obj: Any = None) -> str | None:
+    """None if ``call`` (a registry.Call) binds to the installed callable, else a sentence naming
+    the call, the installed signature and what does not bind (e.g. a new required parameter).
+
+    ``obj``: the callable to bind against (default: ``call.module``'s ``call.attr``)."""
+    if obj is None:
+        try:
+            obj = import_attr(call.module, call.attr)
+        except (ImportError, AttributeError) as exc:
+            if call.optional:
+                return None
+            return f"expected {call.target}; not found ({type(exc).__name__}: {exc})"
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return f"{call.target}: expected a callable with a readable signature; found {obj!r}"
+    args = [_Arg() for _ in call.args]
+    try:
+        if _needs_self(call.module, call.attr, obj):
+            args.insert(0, _Arg())
+    except (ImportError, AttributeError):
+        pass
+    try:
+        sig.bind(*args, **{k: _Arg() for k in call.kwargs})
+    except TypeError as exc:
+        return f"expected {call.describe()} to bind to {call.target}; found {describe(obj)} ({exc})"
+    return None
+
+
+def first_binding(forms, obj: Any = None):
+    """(the first of ``forms`` that binds, None) or (None, the problems of each, joined)."""
+    problems = []
+    for form in forms:
+        problem = bind_problem(form, obj)
+        if problem is None:
+            return form, None
+        problems.append(problem)
+    return None, " / ".join(problems)

@@ -10,41 +10,99 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
   in the sampling parameters: the adapter moves it there with
   ``SamplingParams.update_from_generation_config({}, eos)`` (positional: the keyword was
   renamed in 0.17 too) and constructs the Request without it.
-Both adapters wrap the names in the generator's module namespace only.
+- The block size the scheduler works in must be the KV-cache groups' block size. vLLM's engine
+  core copies it back after building the KV-cache configs (``cache_config.block_size = min`` of
+  the prefix-cacheable groups' block sizes; 0.2x+, ``EngineCore._initialize_kv_caches``) and
+  resolves the scheduler's sizes from that. From 0.33 the CPU platform no longer sets
+  ``block_size = 128`` in the calling process (the worker picks it in
+  ``update_block_size_for_backend``), so without the copy the scheduler got 16 against groups of
+  128: an ``AssertionError`` with an empty message in ``kv_cache_coordinator.py``. The adapter
+  does the engine's copy on every version (where the groups already agree it changes nothing),
+  before resolving the sizes, so speculators' block hasher (built from
+  ``cache_config.block_size`` after the scheduler) uses the same size.
+Both adapters wrap the names in the generator's module namespace only. Every vLLM call they
+make is declared in ``calls=`` (registry.Call) and bound by ``speculators-compat check``.
 """
 
 from __future__ import annotations
 
-from ..registry import wrapper_patch
-from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
+from ..registry import Call, wrapper_patch
+from ._signatures import GENERATOR, accepts, first_binding, import_attr, parameters, require_params
+
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+_SCHED_KW = ("vllm_config", "kv_cache_config", "structured_output_manager")
+# Scheduler(...) as the adapter calls it: the first form that binds to the installed signature
+SCHEDULER_FORMS = (
+    Call(SCHEDULER, "Scheduler", kwargs=_SCHED_KW + ("block_size", "hash_block_size")),  # 0.20+
+    Call(SCHEDULER, "Scheduler", kwargs=_SCHED_KW + ("block_size",)),  # 0.11.1+
+    Call(SCHEDULER, "Scheduler", kwargs=_SCHED_KW),  # 0.11.0
+)
+BLOCK_SIZE_CALLS = (
+    Call("vllm.v1.core.kv_cache_utils", "resolve_kv_cache_block_sizes", args=("kv_cache_config", "vllm_config"), optional=True),
+)
+
+
+def block_size_from_groups(vllm_config, kv_cache_config) -> int | None:
+    """vLLM's engine core: ``cache_config.block_size`` := the smallest block size of the
+    prefix-cacheable KV-cache groups (of all groups if none is). Returns the size set, or None
+    where there are no groups (attention-free models: left as it is)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return None
+    participating = [g.kv_cache_spec.block_size for g in groups if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
+    size = min(participating or [g.kv_cache_spec.block_size for g in groups])
+    vllm_config.cache_config.block_size = size
+    return size
 
 
 def scheduler_block_sizes(vllm_config, kv_cache_config) -> tuple[int, int]:
-    """(scheduler block size, hash block size) as vLLM's engine core computes them."""
+    """(scheduler block size, hash block size) as vLLM's engine core computes them, after taking
+    the block size from the KV-cache groups."""
     import vllm.v1.core.kv_cache_utils as kcu
 
+    block_size_from_groups(vllm_config, kv_cache_config)
     resolver = getattr(kcu, "resolve_kv_cache_block_sizes", None)
     if resolver is not None:
         return tuple(resolver(kv_cache_config, vllm_config))  # type: ignore[return-value]
-    size = vllm_config.cache_config.block_size
+    parallel = vllm_config.parallel_config
+    size = (
+        vllm_config.cache_config.block_size
+        * getattr(parallel, "decode_context_parallel_size", 1)
+        * getattr(parallel, "prefill_context_parallel_size", 1)
+    )
     return size, size
 
 
 def _scheduler_args(wrapped, instance, args, kwargs):
-    params = parameters(wrapped) or {}
-    if "block_size" in params:
-        block, hashed = scheduler_block_sizes(kwargs["vllm_config"], kwargs["kv_cache_config"])
+    form, problem = first_binding(SCHEDULER_FORMS, wrapped)
+    if form is None:
+        raise TypeError(f"speculators_compat: no known call of Scheduler binds: {problem}")
+    block, hashed = scheduler_block_sizes(kwargs["vllm_config"], kwargs["kv_cache_config"])
+    kwargs.pop("block_size", None)
+    kwargs.pop("hash_block_size", None)
+    if "block_size" in form.kwargs:
         kwargs["block_size"] = block
-        if "hash_block_size" in params:
-            kwargs["hash_block_size"] = hashed
-    else:
-        kwargs.pop("block_size", None)
+    if "hash_block_size" in form.kwargs:
+        kwargs["hash_block_size"] = hashed
     return wrapped(*args, **kwargs)
 
 
 def _probe_scheduler(current):
-    real = import_attr("vllm.v1.core.sched.scheduler", "Scheduler")
-    return require_params(real, ("vllm_config", "kv_cache_config", "structured_output_manager"), "Scheduler.__init__")
+    real = import_attr(SCHEDULER, "Scheduler")
+    return first_binding(SCHEDULER_FORMS, real)[1]
+
+
+_REQ_KW = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time")
+# Request(...) as speculators calls it (0.4.x adds block_hasher=), without eos_token_id where the
+# adapter moved it into the sampling parameters (0.17+)
+REQUEST_FORMS = (
+    Call("vllm.v1.request", "Request", kwargs=_REQ_KW + ("eos_token_id",), speculators="==0.3.0"),
+    Call("vllm.v1.request", "Request", kwargs=_REQ_KW, speculators="==0.3.0"),
+    Call("vllm.v1.request", "Request", kwargs=_REQ_KW + ("block_hasher", "eos_token_id"), speculators=">=0.4"),
+    Call("vllm.v1.request", "Request", kwargs=_REQ_KW + ("block_hasher",), speculators=">=0.4"),
+)
+# where Request has no eos_token_id: the EOS goes in positionally (the keyword was renamed in 0.17)
+UPDATE_EOS_CALL = Call("vllm.sampling_params", "SamplingParams.update_from_generation_config", args=("generation_config", "eos_token_id"))
 
 
 def _request_args(wrapped, instance, args, kwargs):
@@ -73,6 +131,12 @@ def _probe_request(current):
 
 
 PATCHES = [
-    wrapper_patch("scheduler-args", "scheduler-request", GENERATOR, "Scheduler", _scheduler_args, _probe_scheduler),
-    wrapper_patch("request-args", "scheduler-request", GENERATOR, "Request", _request_args, _probe_request),
+    wrapper_patch(
+        "scheduler-args", "scheduler-request", GENERATOR, "Scheduler", _scheduler_args, _probe_scheduler,
+        calls=(SCHEDULER_FORMS,) + BLOCK_SIZE_CALLS,
+    ),
+    wrapper_patch(
+        "request-args", "scheduler-request", GENERATOR, "Request", _request_args, _probe_request,
+        calls=(REQUEST_FORMS, UPDATE_EOS_CALL),
+    ),
 ]

@@ -25,6 +25,16 @@ Also: speculators 0.4.x imports ``get_hash_fn_by_name`` from ``vllm.utils.hashin
 that appeared in 0.11.1; on 0.11.0 the function is ``vllm.utils.get_hash_fn_by_name``, so the
 generator's module fails to import. A post-import hook on ``vllm.utils`` registers an alias
 module ``vllm.utils.hashing`` exposing that function (0.11.0 only, probed).
+
+Also (vLLM 0.33): ``_get_kv_cache_groups_uniform_spec``, ``get_kv_cache_config_from_groups`` and
+``unify_hybrid_kv_cache_specs`` moved from ``vllm.v1.core.kv_cache_utils`` to the new
+``vllm.v1.core.kv_cache_planning`` (bodies unchanged; the old module does not re-export them).
+speculators imports them from the old module at module level, so the generator's module fails
+to import. A post-import hook on ``kv_cache_utils`` gives that module a PEP 562 module
+``__getattr__`` that resolves exactly these names from wherever the installed vLLM defines them
+(``from vllm.v1.core.kv_cache_utils import ...`` falls back to it), chaining to a ``__getattr__``
+vLLM may define itself. The hook runs wherever the shim is active: the caller and, through the
+``vllm.general_plugins`` entry point, every vLLM worker. Revert removes the ``__getattr__``.
 """
 
 from __future__ import annotations
@@ -106,7 +116,78 @@ def _probe_mask_module(current):
     return None
 
 
+KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
+# where a vLLM release may define the names speculators imports from kv_cache_utils (newest first)
+KV_CACHE_HOMES = ("vllm.v1.core.kv_cache_planning",)
+MOVED_KV_CACHE_NAMES = ("_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs")
+
+
+def _home_of(name: str):
+    import importlib
+
+    for home in KV_CACHE_HOMES:
+        module = sys.modules.get(home) or importlib.import_module(home)
+        if name in vars(module):
+            return module
+    return None
+
+
+def _build_moved_names(current):
+    previous = current if current is not MISSING else None
+
+    def __getattr__(name):
+        if name in MOVED_KV_CACHE_NAMES:
+            home = _home_of(name)
+            if home is not None:
+                return vars(home)[name]
+        if previous is not None:
+            return previous(name)
+        raise AttributeError(f"module {KV_CACHE_UTILS!r} has no attribute {name!r}")
+
+    __getattr__.speculators_compat_patch = "kv-cache-planning-names"
+    return __getattr__
+
+
+def _probe_moved_names(current):
+    import importlib
+    import importlib.util
+
+    kcu = sys.modules.get(KV_CACHE_UTILS)
+    if kcu is None:
+        return f"expected {KV_CACHE_UTILS} to be imported; it is not"
+    if all(n in vars(kcu) for n in MOVED_KV_CACHE_NAMES):
+        return NotNeeded(f"this vLLM defines {', '.join(MOVED_KV_CACHE_NAMES)} in {KV_CACHE_UTILS}")
+    if current is not MISSING and not callable(current):
+        return f"expected {KV_CACHE_UTILS}.__getattr__ to be absent or callable; found {current!r}"
+    missing = [n for n in MOVED_KV_CACHE_NAMES if n not in vars(kcu)]
+    for home in KV_CACHE_HOMES:
+        module = sys.modules.get(home)
+        if module is None:
+            try:
+                if importlib.util.find_spec(home) is None:
+                    continue
+            except (ImportError, ValueError):
+                continue
+            module = importlib.import_module(home)
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return None  # being imported right now (it imports kv_cache_utils): names resolve at first use
+        missing = [n for n in missing if n not in vars(module)]
+    if missing:
+        return (
+            f"expected {', '.join(missing)} in {KV_CACHE_UTILS} or {', '.join(KV_CACHE_HOMES)}; found in neither"
+        )
+    return None
+
+
 PATCHES = [
+    Patch(
+        id="kv-cache-planning-names",
+        family="speculators-import",
+        hook_module=KV_CACHE_UTILS,
+        attribute="__getattr__",
+        build=_build_moved_names,
+        probe=_probe_moved_names,
+    ),
     Patch(
         id="attn-mask-utils-stand-in",
         family="speculators-import",

@@ -1,0 +1,255 @@
+"""check binds every declared call (registry.Call) against the installed signature.
+
+The vLLM callables are stand-ins with the signatures real releases have (copied from their
+sources); the declarations are the shim's own (the same objects its patches call through), so
+a declaration that stops binding is a check failure here, not only on a real release."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+
+from speculators_compat.check import EXIT_DRIFT, EXIT_UNTESTED, Finding, call_findings, verdict
+from speculators_compat.patches import kv_cache, scheduler_request
+from speculators_compat.patches._signatures import bind_problem, first_binding
+from speculators_compat.registry import Call
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A module to hold one release's stand-in callables; declared calls are re-pointed at it."""
+    name = "sc_fake_vllm_release"
+    module = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, module)
+
+    def repoint(spec):
+        forms = spec if isinstance(spec, tuple) else (spec,)
+        return tuple(dataclasses.replace(f, module=name) for f in forms)
+
+    module.repoint = repoint
+    return module
+
+
+def _exit_code(spec) -> tuple[int, Finding]:
+    finding = call_findings("patch x", spec, "0.4.0.1")
+    return verdict([finding], verified=False, broken=False), finding
+
+
+# -- set_kv_cache_layout: (self, layout_name) until 0.32, (self, layout_name, cp_kv_cache_interleave_size) in 0.33
+
+
+class Executor032:
+    def set_kv_cache_layout(self, layout_name: str) -> None: ...
+
+
+class Executor033:
+    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None: ...
+
+
+@pytest.mark.parametrize("executor", [Executor032, Executor033])
+def test_set_kv_cache_layout_forms_bind_on_032_and_033(fake_vllm, executor):
+    fake_vllm.MultiprocExecutor = executor
+    code, finding = _exit_code(fake_vllm.repoint(kv_cache.SET_LAYOUT_FORMS))
+    assert code == EXIT_UNTESTED and finding.status == "ok", finding
+
+
+def test_033_without_the_interleave_form_is_drift_naming_the_parameter(fake_vllm):
+    """fix 2(b) disabled: only the one-argument call the shim made up to 0.32."""
+    fake_vllm.MultiprocExecutor = Executor033
+    code, finding = _exit_code(fake_vllm.repoint(kv_cache.SET_LAYOUT_FORMS[1:]))
+    assert code == EXIT_DRIFT
+    assert "set_kv_cache_layout" in finding.name
+    assert "set_kv_cache_layout" in finding.detail and "cp_kv_cache_interleave_size" in finding.detail
+
+
+def test_resolve_layout_passes_the_interleave_size_where_the_signature_asks(monkeypatch):
+    calls = []
+
+    class Exec(Executor033):
+        def get_kv_cache_specs(self):
+            return [{}]
+
+        def get_supported_kv_cache_layouts(self):
+            return [["NHD"]]
+
+        def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size):
+            calls.append((layout_name, cp_kv_cache_interleave_size))
+
+    utils = types.ModuleType("vllm.v1.attention.backends.utils")
+    utils.resolve_kv_cache_layout = lambda vllm_config, supported, specs: types.SimpleNamespace(name="NHD")
+    for mod in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+        monkeypatch.setitem(sys.modules, mod, sys.modules.get(mod) or types.ModuleType(mod))
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.utils", utils)
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(cp_kv_cache_interleave_size=7))
+    assert kv_cache.resolve_layout(Exec(), config) == "NHD"
+    assert calls == [("NHD", 7)]
+
+    class Old(Exec):
+        def set_kv_cache_layout(self, layout_name):
+            calls.append((layout_name,))
+
+    calls.clear()
+    kv_cache.resolve_layout(Old(), config)
+    assert calls == [("NHD",)]
+
+
+# -- Scheduler: no block_size (0.11.0), block_size required (0.11.1), + hash_block_size (0.20)
+
+
+class Scheduler0110:
+    def __init__(self, vllm_config, kv_cache_config, structured_output_manager, mm_registry=None, include_finished_set=False, log_stats=False): ...
+
+
+class Scheduler0111:
+    def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, mm_registry=None): ...
+
+
+class Scheduler020:
+    def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, hash_block_size=None): ...
+
+
+class SchedulerFuture:
+    """a release that adds a required parameter no declared form passes"""
+
+    def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, hash_block_size, page_size): ...
+
+
+@pytest.mark.parametrize("cls,ok", [(Scheduler0110, True), (Scheduler0111, True), (Scheduler020, True), (SchedulerFuture, False)])
+def test_scheduler_forms(fake_vllm, cls, ok):
+    fake_vllm.Scheduler = cls
+    code, finding = _exit_code(fake_vllm.repoint(scheduler_request.SCHEDULER_FORMS))
+    assert (code, finding.status) == ((EXIT_UNTESTED, "ok") if ok else (EXIT_DRIFT, "drift")), finding
+    if not ok:
+        assert "page_size" in finding.detail
+
+
+def test_scheduler_adapter_passes_the_form_that_binds_with_the_groups_block_size():
+    seen = {}
+
+    def make(cls):
+        def scheduler(**kwargs):
+            seen.clear()
+            seen.update(kwargs)
+
+        scheduler.__signature__ = __import__("inspect").signature(cls)
+        return scheduler
+
+    spec = types.SimpleNamespace(block_size=128, prefix_cacheable=True)
+    kv_config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec)])
+    config = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(block_size=16),
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+    )
+    kcu = types.ModuleType("vllm.v1.core.kv_cache_utils")  # a release without resolve_kv_cache_block_sizes
+    saved = {m: sys.modules.get(m) for m in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.kv_cache_utils")}
+    try:
+        for m in ("vllm", "vllm.v1", "vllm.v1.core"):
+            sys.modules[m] = sys.modules.get(m) or types.ModuleType(m)
+        sys.modules["vllm.v1.core.kv_cache_utils"] = kcu
+        for cls, expect in [
+            (Scheduler020, {"block_size": 128, "hash_block_size": 128}),
+            (Scheduler0111, {"block_size": 128}),
+            (Scheduler0110, {}),
+        ]:
+            config.cache_config.block_size = 16
+            scheduler_request._scheduler_args(make(cls), None, (), dict(vllm_config=config, kv_cache_config=kv_config, structured_output_manager=None, block_size=16))
+            assert {k: v for k, v in seen.items() if k in ("block_size", "hash_block_size")} == expect, cls
+            assert config.cache_config.block_size == 128  # the engine's copy from the groups
+    finally:
+        for m, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = mod
+
+
+def test_block_size_from_groups_prefers_prefix_cacheable_groups():
+    groups = [
+        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=8, prefix_cacheable=False)),
+        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=64, prefix_cacheable=True)),
+    ]
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16))
+    assert scheduler_request.block_size_from_groups(config, types.SimpleNamespace(kv_cache_groups=groups)) == 64
+    assert config.cache_config.block_size == 64
+    assert scheduler_request.block_size_from_groups(config, types.SimpleNamespace(kv_cache_groups=[])) is None
+    assert config.cache_config.block_size == 64
+
+
+# -- get_kv_cache_config_from_groups: kv_cache_specs required (0.11), gone (0.12+)
+
+
+def kv_config_011(vllm_config, kv_cache_groups, kv_cache_specs, available_memory): ...
+
+
+def kv_config_012(vllm_config, kv_cache_groups, available_memory): ...
+
+
+def kv_config_resigned(vllm_config, groups): ...
+
+
+@pytest.mark.parametrize("fn,ok", [(kv_config_011, True), (kv_config_012, True), (kv_config_resigned, False)])
+def test_kv_cache_config_forms(fake_vllm, fn, ok):
+    fake_vllm.get_kv_cache_config_from_groups = fn
+    code, finding = _exit_code(fake_vllm.repoint(kv_cache.KV_CONFIG_FORMS))
+    assert code == (EXIT_UNTESTED if ok else EXIT_DRIFT), finding
+    form, _ = first_binding(fake_vllm.repoint(kv_cache.KV_CONFIG_FORMS))
+    if fn is kv_config_011:
+        assert "kv_cache_specs" in form.kwargs
+    if fn is kv_config_012:
+        assert "kv_cache_specs" not in form.kwargs
+
+
+# -- Request: eos_token_id removed in 0.17 (the adapter drops it); update_from_generation_config carries it
+
+
+def request_016(request_id, prompt_token_ids, sampling_params, pooling_params, eos_token_id, arrival_time=None, block_hasher=None): ...
+
+
+def request_017(request_id, prompt_token_ids, sampling_params, pooling_params, client_index=0, arrival_time=None, block_hasher=None): ...
+
+
+def request_future(request_id, prompt_token_ids, sampling_params, pooling_params, *, tenant, arrival_time=None, block_hasher=None): ...
+
+
+@pytest.mark.parametrize("fn,ok", [(request_016, True), (request_017, True), (request_future, False)])
+def test_request_forms(fake_vllm, fn, ok):
+    fake_vllm.Request = fn
+    code, finding = _exit_code(fake_vllm.repoint(scheduler_request.REQUEST_FORMS))
+    assert code == (EXIT_UNTESTED if ok else EXIT_DRIFT), finding
+    if not ok:
+        assert "tenant" in finding.detail
+
+
+def test_request_forms_are_per_speculators_release(fake_vllm):
+    fake_vllm.Request = request_017
+    forms = fake_vllm.repoint(scheduler_request.REQUEST_FORMS)
+    assert "block_hasher" not in call_findings("p", forms, "0.3.0").name
+    assert "block_hasher" in call_findings("p", forms, "0.4.0.1").name
+
+
+# -- mechanics
+
+
+def test_methods_bind_with_their_instance_and_optional_calls_may_be_absent(fake_vllm):
+    fake_vllm.MultiprocExecutor = Executor032
+    assert bind_problem(Call(fake_vllm.__name__, "MultiprocExecutor.set_kv_cache_layout", args=("a",))) is None
+    assert "missing" in bind_problem(Call(fake_vllm.__name__, "MultiprocExecutor.set_kv_cache_layout"))
+    assert "too many positional" in bind_problem(Call(fake_vllm.__name__, "MultiprocExecutor.set_kv_cache_layout", args=("a", "b")))
+    assert bind_problem(Call(fake_vllm.__name__, "gone", optional=True)) is None
+    assert "not found" in bind_problem(Call(fake_vllm.__name__, "gone"))
+
+
+def test_every_patch_declares_its_calls_with_known_targets():
+    from speculators_compat.patches import all_patches
+
+    by_id = {p.id: p for p in all_patches()}
+    for pid in ("kv-cache-config-args", "kv-cache-layout", "scheduler-args", "request-args"):
+        assert by_id[pid].calls, pid
+        for spec in by_id[pid].calls:
+            for form in spec if isinstance(spec, tuple) else (spec,):
+                assert isinstance(form, Call) and form.module.startswith("vllm."), (pid, form)
