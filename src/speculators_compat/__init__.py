@@ -37,6 +37,7 @@ HOOK_MODULES = (
     "vllm.utils",
     "speculators.data_generation.vllm_hidden_states_generator",
     "speculators.data_generation.custom_worker",
+    "speculators.data_generation.config_generator",
 )
 
 
