@@ -14,7 +14,7 @@ BENCH_PAIR ?= --speculators 0.4.0.1 --vllm 0.16.0
 GPU_RESULTS = benchmarks/results/gpu/throughput_h200.json benchmarks/results/gpu/throughput_h200_native_noasync.json \
 	benchmarks/results/gpu/throughput_h200_shim_pipeline0.json
 
-.PHONY: demo test unit bed-tools dev bench
+.PHONY: demo test unit bed-tools dev bench train-check
 
 bed-tools:
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -38,6 +38,16 @@ test: unit
 	  SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1 \
 	    $$PYBIN -m pytest -m "contract or e2e" tests/contract tests/e2e -q -rs; \
 	done
+
+# speculators' trainer reads the script's output (two envs: extract on vLLM 0.32, train on speculators'
+# own pins; ~3 min on 2 cores, outside `make test`)
+TRAIN_CHECK_WORK ?= .train-check
+train-check: bed-tools
+	@set -e; rm -rf $(TRAIN_CHECK_WORK); \
+	  GEN=$$($(PY) scripts/bed.py python --speculators 0.4.0.1 --vllm 0.32.0); \
+	  TRAIN=$$($(PY) scripts/bed.py python --speculators 0.4.0.1 --vllm none); \
+	  VLLM_CPU_KVCACHE_SPACE=1 $$GEN tests/e2e/script_pipeline.py $(TRAIN_CHECK_WORK); \
+	  TRAIN_CHECK_DATA=$(abspath $(TRAIN_CHECK_WORK))/out $$TRAIN -m pytest -m train tests/train -q -rs
 
 # CPU benchmarks on the test bed, then the plot (GPU results: scripts/gpu_run.sh, see README)
 bench: dev

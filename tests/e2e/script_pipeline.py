@@ -22,7 +22,7 @@ SCRIPT_SHA256 = {
     "v0.4.0.1": "64be7cd166dbcdccf2ba703bf58d8c3c7d3ac49847978540b0e66fb4c5a89b53",
 }
 SEQ_LENGTH = 192  # the script's --seq-length: preprocessing truncates to it, the engine's max_model_len
-LAYER_IDS = [1, 2, 3]  # of the tiny model's 4 layers
+LAYER_IDS = [0, 1, 2, 3]  # all 4 layers of the tiny model: 3 fused + the last, as Eagle-3 training expects
 BATCH_SIZE = 4
 
 _SENT = [
@@ -39,7 +39,7 @@ _SENT = [
 
 def chat_rows() -> list[dict]:
     """ShareGPT-style conversations: single- and multi-turn, a system turn, role spellings of
-    both kinds, and one conversation far longer than SEQ_LENGTH tokens (truncated)."""
+    both kinds, and one conversation far longer than SEQ_LENGTH tokens (truncated inside its answer)."""
     s = _SENT
     rows = [
         {"conversations": [{"from": "human", "value": s[1]}, {"from": "gpt", "value": s[2]}]},
@@ -50,8 +50,8 @@ def chat_rows() -> list[dict]:
         {"conversations": [{"from": "human", "value": s[7]}, {"from": "gpt", "value": s[5]},
                            {"from": "human", "value": s[3]}, {"from": "gpt", "value": s[0]},
                            {"from": "human", "value": s[2]}, {"from": "gpt", "value": s[6]}]},
-        {"conversations": [{"from": "human", "value": " ".join(s * 3)},  # over-length
-                           {"from": "gpt", "value": " ".join(reversed(s * 2))}]},
+        {"conversations": [{"from": "human", "value": s[6]},  # over-length: cut inside the answer
+                           {"from": "gpt", "value": ". ".join(reversed(s * 4))}]},
         {"conversations": [{"from": "human", "value": s[4]}, {"from": "gpt", "value": s[1]}]},
     ]
     return rows

@@ -25,9 +25,13 @@ Versions: compat_matrix.yaml.
   ``_get_gpu_info`` turns into "CPU ONLY"; otherwise it calls speculators' function. (0.3.0 asks
   ``torch.cuda.is_available()`` first and is not affected.)
 - ``generator-del-partial`` (speculators 0.3.0 and 0.4.x): ``VllmHiddenStatesGenerator.__del__``
-  calls ``self.executor.shutdown()``; at interpreter exit (or after a constructor that failed
-  half-way) the executor may be half torn down and the finaliser prints
-  ``Exception ignored in: ... __del__ ... AttributeError`` — noise at every exit of the script. The
+  calls ``self.executor.shutdown()`` and logs a warning if that raises. A generator that lives
+  until interpreter exit (``gen = VllmHiddenStatesGenerator(...)`` at the top level of a script,
+  as in README's snippet) is finalised after speculators' module globals were cleared: shutdown
+  fails, the ``except`` branch's ``log.warning`` finds ``log`` set to None, and Python prints
+  ``Exception ignored in: <function VllmHiddenStatesGenerator.__del__>`` …
+  ``AttributeError: 'NoneType' object has no attribute 'warning'`` at every exit (measured:
+  0.4.0.1 on vLLM 0.32; the script itself drops its generator earlier and is not affected). The
   patch runs speculators' ``__del__`` and drops only an ``AttributeError`` raised from it.
 """
 
