@@ -14,7 +14,7 @@ FAMILY_MODULES = (
     scheduler_request,
     execution,
     worker_capture,
-    speculators_script,  # last: script-tp-default replaces the class the others patch
+    speculators_script,
 )
 
 

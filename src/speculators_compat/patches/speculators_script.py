@@ -7,13 +7,13 @@ Versions: compat_matrix.yaml.
 - ``script-tp-default`` (speculators 0.3.0 and 0.4.x): the script's ``--tensor-parallel-size``
   defaults to ``torch.accelerator.device_count()`` (its help says "default: 1"), which is 0 with
   no accelerator; ``VllmHiddenStatesGenerator(tensor_parallel_size=0)`` then fails in vLLM's
-  ``ParallelConfig`` validation (and would build zero KV-cache configs). The patch puts, under the
-  generator module's name ``VllmHiddenStatesGenerator``, a subclass of the same name whose
-  constructor turns ``tensor_parallel_size=0`` into 1 when ``torch.accelerator.device_count()``
-  is 0 — exactly the case of that default — and logs it. Any other value, and 0 where devices
-  exist, reach speculators unchanged (0 with devices still fails in vLLM, as before). The script
-  imports the class after this hook ran; code that imported the class earlier keeps the original.
-  (One subclass instead of a wrapper of ``__init__``, which ``memory-query-torch-cuda`` owns.)
+  ``ParallelConfig`` validation (and would build zero KV-cache configs). The patch gives the
+  class a ``__new__``: for exactly that call — ``tensor_parallel_size=0`` while
+  ``torch.accelerator.device_count()`` is 0 — it returns an instance of a subclass of the same
+  name whose constructor passes 1 instead (and logs it); every other call gets a plain instance
+  and reaches speculators' constructor unchanged (0 with devices still fails in vLLM, as before).
+  (``__new__`` because ``__init__`` is owned by ``memory-query-torch-cuda`` and the class itself
+  must stay the object the other patches are applied to.)
 - ``device-name-no-accelerator`` (speculators 0.4.x): ``save_config`` → ``DataGenerationConfig``
   → ``_get_gpu_info`` → ``speculators.utils.util.get_device_name(0)`` asks
   ``torch.accelerator.current_accelerator()``, which names the torch *build's* accelerator even
@@ -37,7 +37,6 @@ Versions: compat_matrix.yaml.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import sys
@@ -55,50 +54,66 @@ def _no_accelerator() -> bool:
     return torch.accelerator.device_count() == 0
 
 
-def _tp_or_one(args: tuple, kwargs: dict, signature: inspect.Signature) -> tuple[tuple, dict]:
+def _tp_fixed(args: tuple, kwargs: dict, signature: inspect.Signature) -> tuple[tuple, dict] | None:
+    """The constructor arguments with tensor_parallel_size=1, or None when nothing is to fix."""
     try:
         bound = signature.bind(None, *args, **kwargs)
     except TypeError:
-        return args, kwargs  # speculators reports its own error
-    if bound.arguments.get("tensor_parallel_size") == 0 and _no_accelerator():
-        _log.warning(
-            "speculators_compat: tensor_parallel_size=0 (speculators' script default "
-            "torch.accelerator.device_count() with no accelerator) -> 1"
-        )
-        bound.arguments["tensor_parallel_size"] = 1
-        return tuple(bound.args[1:]), dict(bound.kwargs)
-    return args, kwargs
+        return None  # speculators reports its own error
+    if bound.arguments.get("tensor_parallel_size") != 0 or not _no_accelerator():
+        return None
+    bound.arguments["tensor_parallel_size"] = 1
+    return tuple(bound.args[1:]), dict(bound.kwargs)
+
+
+_fixing_subclasses: dict[type, type] = {}
+
+
+def _fixing_subclass(cls: type, signature: inspect.Signature) -> type:
+    sub = _fixing_subclasses.get(cls)
+    if sub is None:
+
+        def __init__(self, *args, **kwargs):
+            fixed = _tp_fixed(args, kwargs, signature)
+            if fixed is not None:
+                _log.warning(
+                    "speculators_compat: tensor_parallel_size=0 (speculators' script default "
+                    "torch.accelerator.device_count() with no accelerator) -> 1"
+                )
+                args, kwargs = fixed
+            super(sub, self).__init__(*args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        _fixing_subclasses[cls] = sub
+    return sub
 
 
 def _build_tp_default(current):
-    if current is MISSING:
-        raise AttributeError(f"{GENERATOR}:VllmHiddenStatesGenerator does not exist")
-    original = current
-    signature = inspect.signature(original.__init__)
+    base = import_attr(GENERATOR, "VllmHiddenStatesGenerator")
+    signature = inspect.signature(base.__init__)
 
-    @functools.wraps(original.__init__)
-    def __init__(self, *args, **kwargs):
-        args, kwargs = _tp_or_one(args, kwargs, signature)
-        original.__init__(self, *args, **kwargs)
+    def __new__(cls, *args, **kwargs):
+        if cls not in _fixing_subclasses.values() and _tp_fixed(args, kwargs, signature) is not None:
+            cls = _fixing_subclass(cls, signature)
+        return object.__new__(cls)
 
-    namespace = {
-        "__init__": __init__,
-        "__module__": original.__module__,
-        "__qualname__": original.__qualname__,
-        "__doc__": original.__doc__,
-    }
-    return type(original.__name__, (original,), namespace)
+    return staticmethod(__new__)
 
 
 def _probe_tp_default(current):
-    if not isinstance(current, type):
-        return f"expected {GENERATOR}:VllmHiddenStatesGenerator to be a class; found {current!r}"
-    problem = require_params(current.__init__, ("self", "model_path", "tensor_parallel_size"),
+    cls = import_attr(GENERATOR, "VllmHiddenStatesGenerator")
+    if not isinstance(cls, type):
+        return f"expected {GENERATOR}:VllmHiddenStatesGenerator to be a class; found {cls!r}"
+    own = vars(cls).get("__new__")
+    if own is not None:
+        return f"expected VllmHiddenStatesGenerator without a __new__ of its own; found {own!r}"
+    problem = require_params(cls.__init__, ("self", "model_path", "tensor_parallel_size"),
                              "VllmHiddenStatesGenerator.__init__")
     if problem:
         return problem
     try:
-        inspect.signature(current.__init__).bind(None, "model", tensor_parallel_size=1)
+        inspect.signature(cls.__init__).bind(None, "model", tensor_parallel_size=1)
     except TypeError as exc:
         return f"expected VllmHiddenStatesGenerator(model_path, tensor_parallel_size=1) to bind; {exc}"
     torch = sys.modules.get("torch") or __import__("torch")
@@ -162,7 +177,7 @@ PATCHES = [
         id="script-tp-default",
         family="speculators-script",
         hook_module=GENERATOR,
-        attribute="VllmHiddenStatesGenerator",
+        attribute="VllmHiddenStatesGenerator.__new__",
         build=_build_tp_default,
         probe=_probe_tp_default,
     ),
