@@ -44,6 +44,10 @@ def run(command: list[str]) -> int:
     if not command:
         print(f"speculators-compat run: no command given ({USAGE})", file=sys.stderr)
         return 2
+    if command[0] in ("-h", "--help"):
+        print(USAGE)
+        print(__doc__.split("\n\n")[1])
+        return 0
     env = child_environment()
     sys.stdout.flush()
     sys.stderr.flush()
