@@ -36,6 +36,7 @@ HOOK_MODULES = (
     "speculators.data_generation.vllm_hidden_states_generator",
     "speculators.data_generation.custom_worker",
     "vllm.v1.worker.gpu.model_runner",
+    "speculators.data_generation.config_generator",
 )
 
 

@@ -2,6 +2,8 @@
 
 - ``report [--json] [--matrix] [--import-targets]``: versions found, every patch's gate and status.
 - ``check [--json] [--junit PATH]``: probes the installed vLLM/speculators (see check.py).
+- ``run <command…>``: the command, with the shim active in it and every Python process it starts
+  (see launcher.py).
 - ``demo``: the test-bed demo (tiny model, real generator, HF reference) — see demo.py.
 - ``--version``.
 """
@@ -120,6 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--arch", default="llama")
     demo.add_argument("--layers", default=None, help="comma-separated layer ids (default: speculators' choice)")
     demo.add_argument("--json", default=None, help="write the demo's measurements to this file")
+    sub.add_parser(
+        "run",
+        help="run a command (e.g. python data_generation_offline.py ...) with the shim active in it "
+        "and in every Python process it starts",
+        add_help=False,
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "run":  # everything after `run` is the command, options included
+        from .launcher import run
+
+        return run(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "report":
         try:

@@ -35,6 +35,9 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in [
         Setting("SPECULATORS_COMPAT_DISABLE", "flag", False, "do nothing"),
+        Setting("SPECULATORS_COMPAT_AUTO", "flag", False,
+                "activate in every Python process of the environment (the wheel's `.pth` hook), "
+                "as `speculators-compat run` does for one command"),
         Setting("SPECULATORS_COMPAT_STRICT", "flag", False,
                 "an untested combination or a failed probe raises (reaches workers)"),
         Setting("SPECULATORS_COMPAT_PATCHES", "text", None,

@@ -3,7 +3,7 @@ patches answer; version ranges live in compat_matrix.yaml (by patch id), not her
 
 from __future__ import annotations
 
-from . import engine_config, engine_options, execution, kv_cache, platform, scheduler_request, speculators_import, worker_capture
+from . import engine_config, engine_options, execution, kv_cache, platform, scheduler_request, speculators_import, speculators_script, worker_capture
 
 FAMILY_MODULES = (
     speculators_import,
@@ -14,6 +14,7 @@ FAMILY_MODULES = (
     scheduler_request,
     execution,
     worker_capture,
+    speculators_script,
 )
 
 
