@@ -192,6 +192,7 @@ def run(args, progress=None) -> dict:
     references: dict = {}
     controls: dict = {}
     hf_model = load_hf_model(model_dir, dtype=captured_dtype, device=device)
+    result["hf_class"] = f"{type(hf_model).__module__}.{type(hf_model).__qualname__}"
     hf_plain = {n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()}
     if l4s is not None:
         result["llama_4_scaling"] = {
@@ -234,7 +235,8 @@ def run(args, progress=None) -> dict:
         for name in seqs_by_case:
             rep = compare(captured[name], ref[name], dtype=captured_dtype, max_outlier_fraction=outliers)
             result["references"][ref_name][name] = {
-                "max_error": rep.max_error, "passed": rep.passed, "summary": rep.summary()
+                "max_error": rep.max_error, "passed": rep.passed, "summary": rep.summary(),
+                "max_row_error": _max_row_error(captured[name], ref[name]),
             }
     if controls:
         result["negative_controls"] = {
@@ -257,6 +259,7 @@ def run(args, progress=None) -> dict:
         verdict = result["references"].get(primary, {}).get(name)
         case["reference"] = primary
         case["max_error"] = verdict["max_error"] if verdict else None
+        case["max_row_error"] = verdict.get("max_row_error") if verdict else None
         case["tolerance"] = reference_tolerance(captured_dtype)
         case["passed"] = bool(verdict and verdict["passed"]) and case["shapes_ok"]
         case["summary"] = verdict["summary"] if verdict else f"no {primary} reference: {result.get('vllm_reference')}"
@@ -271,6 +274,22 @@ def run(args, progress=None) -> dict:
         "repeat"
     ]["identical"]
     return result
+
+
+def _max_row_error(captured, reference) -> float | None:
+    """The largest per-token (row) relative error over every sequence and layer (None when a
+    shape differs: compare() reports that)."""
+    from speculators_compat.testing.reference import _row_errors
+
+    worst = 0.0
+    for cap, ref in zip(captured, reference):
+        for c, r in zip(cap, ref):
+            if tuple(c.shape) != tuple(r.shape):
+                return None
+            rows = _row_errors(c, r)
+            if rows.numel():
+                worst = max(worst, float(rows.max()))
+    return worst
 
 
 def reference_tolerance(dtype) -> float:

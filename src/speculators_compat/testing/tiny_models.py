@@ -900,6 +900,13 @@ _VLLM_KWARGS: dict[tuple[str, str], dict[str, tuple[Any, str]]] = {
             "CPU rotary_embedding custom op is wrong for non-neox (interleaved) rope",
         ),
     },
+    ("kimi_k25", "*"): {
+        "trust_remote_code": (
+            True,
+            "the released checkpoint ships its config and image processor as remote code "
+            "(vLLM 0.16 loads the processor with it regardless; speculators' generator passes it)",
+        ),
+    },
     ("kimi_k25", "cpu"): {  # its text decoder is DeepSeek-V3's
         "compilation_config": (
             {"custom_ops": ["-rotary_embedding"]},
