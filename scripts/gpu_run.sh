@@ -10,7 +10,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" (DeepSeek-V3 tiny, needs the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" / "mlaref" / "kimi" (DeepSeek-V3 / Kimi-K2.5 tiny, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -86,6 +86,15 @@ if [[ " $STEPS " == *" mlaref "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   MLA='{"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}'
   CELL_NAME=deepseek_v3_mla_moe_vllmref cell 0.3.0 deepseek_v3 --overrides "$MLA" --reference vllm & p1=$!
   CELL_NAME=deepseek_v3_mla_moe_vllmref cell 0.4.0.1 deepseek_v3 --overrides "$MLA" --reference vllm & p2=$!; wait $p1 $p2
+fi
+if [[ " $STEPS " == *" kimi "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
+  echo "== Kimi-K2.5 tiny (KimiK25ForConditionalGeneration: DeepSeek-V3 text inside the wrapper) on the MLA path vs the same engine's own forward"
+  # needs the MoE kernels (.gpu-moe/, MOE=1 scripts/gpu_prepare.sh); the factory's text_config already
+  # has the MLA dims the H200 kernels take (kv_lora_rank 256, rope 64, nope 128, v 128); bf16 (the
+  # generator's "auto"): expert near-ties make HF no reference there, the engine's own forward is
+  export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
+  CELL_NAME=kimi_k25_mla_vllmref cell 0.3.0 kimi_k25 --reference vllm & p1=$!
+  CELL_NAME=kimi_k25_mla_vllmref cell 0.4.0.1 kimi_k25 --reference vllm & p2=$!; wait $p1 $p2
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"

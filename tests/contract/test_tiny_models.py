@@ -200,3 +200,40 @@ def test_mistral_runs_a_sliding_window_unlike_llama(model_root):
     w = MISTRAL_SLIDING_WINDOW
     assert relative_error(mis[: w - 8], lla[: w - 8]) < 1e-5
     assert relative_error(mis[w + 8:], lla[w + 8:]) > 1e-2
+
+
+def test_kimi_k25_is_laid_out_as_released(model_root):
+    """kimi_k25: the released Kimi-K2.5 layout (wrapper config, DeepSeek-V3 text_config, MoonViT
+    tower + patch-merger projector under their released names, remote config + image processor);
+    the layer count speculators' generator reads (AutoConfig(trust_remote_code=True), then
+    ``num_hidden_layers`` or ``text_config.num_hidden_layers``) is the text decoder's, never the
+    vision tower's."""
+    import json
+
+    from safetensors import safe_open
+
+    d = build_tiny_model("kimi_k25", model_root)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["model_type"] == "kimi_k25"
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    assert text["model_type"] == "deepseek_v3" and text["topk_method"] == "noaux_tc" and text["scoring_func"] == "sigmoid"
+    assert text["n_routed_experts"] % text["n_group"] == 0 and 1 < text["topk_group"] < text["n_group"]
+    assert text["first_k_dense_replace"] == 1 and text["n_shared_experts"] == 1
+    assert (text["kv_lora_rank"], text["qk_rope_head_dim"], text["qk_nope_head_dim"], text["v_head_dim"]) == (256, 64, 128, 128)
+    assert vision["num_hidden_layers"] != text["num_hidden_layers"]  # a wrong-tower read would show
+    assert cfg["media_placeholder_token_id"] == cfg["image_token_id"] == 1023
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "language_model.lm_head.weight" in keys and "language_model.model.embed_tokens.weight" in keys
+    assert "mm_projector.proj.0.weight" in keys and "vision_tower.encoder.blocks.0.wqkv.weight" in keys
+    assert any(k.endswith("mlp.gate.e_score_correction_bias") for k in keys)
+    assert any(".mlp.shared_experts." in k for k in keys) and "language_model.model.layers.0.mlp.gate_proj.weight" in keys
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    assert len(tok) == 1024 and tok.convert_tokens_to_ids("<|media_pad|>") == 1023
+    auto = transformers.AutoConfig.from_pretrained(str(d), trust_remote_code=True)
+    n = getattr(auto, "num_hidden_layers", None) or auto.text_config.num_hidden_layers
+    assert n == text["num_hidden_layers"] == 4
+    # overrides reach the decoder (llama_4_scaling, MLA dims are read from text_config)
+    l4s = {"original_max_position_embeddings": 256, "beta": 0.1}
+    d2 = build_tiny_model("kimi_k25", model_root, overrides={"llama_4_scaling": l4s})
+    assert json.loads((d2 / "config.json").read_text())["text_config"]["llama_4_scaling"] == l4s

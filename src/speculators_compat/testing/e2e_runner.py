@@ -194,6 +194,7 @@ def run(args, progress=None) -> dict:
     references: dict = {}
     controls: dict = {}
     hf_model = load_hf_model(model_dir, dtype=captured_dtype, device=device)
+    result["hf_class"] = f"{type(hf_model).__module__}.{type(hf_model).__qualname__}"
     hf_plain = {n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()}
     if l4s is not None:
         result["llama_4_scaling"] = {
@@ -249,6 +250,7 @@ def run(args, progress=None) -> dict:
                 "row_tolerance": rep.row_tolerance, "worst_row": worst,
                 "rows_over_row_tolerance": sum(n for r in rep.rows_over for n in r if n > 0),
                 "row_quantiles": rep.row_quantiles,
+                "max_row_error": worst["error"] if worst else None,
             }
     if controls:
         result["negative_controls"] = {
@@ -272,6 +274,7 @@ def run(args, progress=None) -> dict:
         verdict = result["references"].get(primary, {}).get(name)
         case["reference"] = primary
         case["max_error"] = verdict["max_error"] if verdict else None
+        case["max_row_error"] = verdict.get("max_row_error") if verdict else None
         case["tolerance"] = reference_tolerance(captured_dtype)
         case["row_tolerance"] = verdict.get("row_tolerance") if verdict else None
         case["worst_row"] = verdict.get("worst_row") if verdict else None

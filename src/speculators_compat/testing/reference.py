@@ -90,17 +90,67 @@ def load_hf_model(model_dir: str | Path, dtype: Any = "float32", device: str = "
         kwargs["dtype"] = td
     else:
         kwargs["torch_dtype"] = td
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-    except ValueError:
-        # multimodal wrappers (llava, ...) are not causal-LM auto classes; text-only input ids
-        # run their text decoder, whose layers decoder_layers() finds
-        from transformers import AutoModelForImageTextToText
+    model = _wrapper_text_decoder(model_dir, td)
+    if model is None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        except ValueError:
+            # multimodal wrappers (llava, Kimi-K2.5 on transformers 5, ...) are not causal-LM auto
+            # classes; text-only input ids run their text decoder, whose layers decoder_layers() finds
+            from transformers import AutoModelForImageTextToText
 
-        model = AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
+            model = AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
     model.to(device)
     model.eval()
     return model
+
+
+def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
+    """For a multimodal wrapper this transformers has no class for (Kimi-K2.5, model_type
+    kimi_k25, on transformers < 5), its text decoder alone: the text_config's causal LM on the
+    checkpoint's ``language_model.*`` tensors (every one of them must load). None when the
+    wrapper's own class exists (then the caller loads it) or the directory is no such wrapper."""
+    import json
+
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.exists():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    text = cfg.get("text_config")
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(text, dict) or cfg.get("model_type") in CONFIG_MAPPING:
+        return None
+    text_type = text.get("model_type")
+    if text_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{cfg_path}: wrapper model_type {cfg.get('model_type')!r} and its text_config model_type "
+            f"{text_type!r} are both unknown to this transformers"
+        )
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text_cfg = AutoConfig.for_model(text_type, **{k: v for k, v in text.items() if k != "model_type"})
+    for k, v in text.items():  # keys some versions do not take as constructor arguments
+        if k not in ("model_type", "rope_theta", "rope_scaling") and not hasattr(text_cfg, k):
+            setattr(text_cfg, k, v)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(text_cfg, attn_implementation="eager")
+    finally:
+        torch.set_default_dtype(prev)
+    state = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith("language_model."):
+                    state[key[len("language_model."):]] = f.get_tensor(key)
+    if not state:
+        raise ValueError(f"{model_dir}: no language_model.* tensors for the text decoder of {cfg.get('model_type')!r}")
+    model.load_state_dict(state, strict=True)  # every decoder tensor, no stray one
+    return model.to(torch_dtype)
 
 
 def decoder_layers(model) -> Sequence:

@@ -44,16 +44,17 @@ ARCHITECTURES: tuple[str, ...] = (
     "mistral",
     "gemma3",
     "llava",
+    "kimi_k25",
 )
 
 # Multimodal wrappers (a vision tower + projector around a text decoder). Prompts are text-only
 # token ids (what speculators feeds), so the captured layers are the text decoder's.
-MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava",)
+MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava", "kimi_k25")
 
 # Mixture-of-experts archs: in bf16/fp16 a few tokens flip near-tied expert choices, so
 # captures differ from an HF reference by more than rounding on some rows (reference.compare bounds every row,
 # no allowance); compare these in float32.
-MOE_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+MOE_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k25")
 
 MISTRAL_SLIDING_WINDOW = 256
 
@@ -92,6 +93,7 @@ _MODEL_TYPE = {
     "mistral": "mistral",
     "gemma3": "gemma3_text",
     "llava": "llava",
+    "kimi_k25": "kimi_k25",
 }
 
 _ARCH_CLASS = {
@@ -104,6 +106,7 @@ _ARCH_CLASS = {
     "mistral": "MistralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
 }
 
 # llava: a tiny CLIP vision tower (vLLM profiles the encoder at start with a dummy image).
@@ -146,6 +149,8 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
     )
     if arch == "llama":
         common.update(head_dim=head_dim, rope_theta=10000.0)
+    elif arch == "kimi_k25":
+        return _kimi_k25_config(common, n_heads)
     elif arch == "llava":
         # the text decoder's class, as released Llava checkpoints name it: vLLM < 0.20 builds the
         # language model from text_config.architectures (no fallback from model_type before 0.20)
@@ -245,6 +250,93 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
             final_logit_softcapping=None,
         )
     return common
+
+
+# kimi_k25: Kimi-K2.5 as released (moonshotai/Kimi-K2.5): a wrapper config (model_type kimi_k25,
+# KimiK25ForConditionalGeneration) around a DeepSeek-V3 text_config, a MoonViT vision tower and a
+# patch-merger projector; weights under language_model.model.* / language_model.lm_head /
+# vision_tower.* / mm_projector.proj.{0,2}; remote code for the config (auto_map) and the image
+# processor (preprocessor_config.json's auto_map + media_proc_cfg). One config.json carries the keys
+# both schemas read: vLLM < 0.17's own KimiK25Config (media_placeholder_token_id, vision
+# init_pos_emb_*, mm_hidden_size, ...) and transformers 5's Kimi_K25Config (image_token_id,
+# projection_hidden_size, vision pos_emb_*), plus the released vt_* keys.
+# Media tokens are the last ids of the vocabulary (the e2e runner draws ids < 1000).
+_KIMI_MEDIA_TOKENS = (
+    "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|kimi_k25_video_placeholder|>", "<|media_pad|>",
+)
+_KIMI_VISION = dict(hidden=64, intermediate=128, layers=2, heads=2, patch=14, pos_emb=4, frames=4)
+# Which overrides go to the wrapper config; every other key goes to text_config (MLA dims,
+# routing, llama_4_scaling: the DeepSeek-V3 decoder reads them there).
+_KIMI_WRAPPER_KEYS = ("vision_config", "media_placeholder_token_id", "image_token_id", "use_unified_vision_chunk")
+
+
+def _kimi_k25_config(common: dict, n_heads: int) -> dict:
+    """The config.json dict of a tiny Kimi-K2.5 (see the comment above)."""
+    vocab = common["vocab_size"]
+    tok_id = {t: vocab - len(_KIMI_MEDIA_TOKENS) + i for i, t in enumerate(_KIMI_MEDIA_TOKENS)}
+    text = dict(common, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    text.update(
+        num_key_value_heads=n_heads,  # MLA: HF eager repeats kv by heads // kv_heads
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        moe_intermediate_size=common["hidden_size"],
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,  # released: 1/1 over 384 experts; grouped here so group selection is exercised
+        topk_group=2,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        # MLA dims H200 kernels take (vLLM 0.24: decode kv_lora_rank + rope in {320, 576}; FA3
+        # prefill: nope + rope in (128, 192], v in (96, 128]); CPU runs them with MLA off
+        q_lora_rank=64,
+        kv_lora_rank=256,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        rope_interleave=True,
+        attention_bias=False,
+        hidden_act="silu",
+    )
+    v = _KIMI_VISION
+    vision = {
+        # released keys (moonshotai/Kimi-K2.5 config.json)
+        "init_pos_emb_height": v["pos_emb"], "init_pos_emb_width": v["pos_emb"], "init_pos_emb_time": v["frames"],
+        "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": v["hidden"],
+        "mm_projector_type": "patchmerger", "patch_size": v["patch"], "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "text_hidden_size": common["hidden_size"],
+        "video_attn_type": "spatial_temporal", "vt_hidden_size": v["hidden"], "vt_intermediate_size": v["intermediate"],
+        "vt_num_attention_heads": v["heads"], "vt_num_hidden_layers": v["layers"],
+        # the names vLLM's KimiK25VisionConfig (< 0.17) and transformers 5's Kimi_K25VisionConfig read
+        "hidden_size": v["hidden"], "intermediate_size": v["intermediate"], "num_hidden_layers": v["layers"],
+        "num_attention_heads": v["heads"], "pos_emb_height": v["pos_emb"], "pos_emb_width": v["pos_emb"],
+        "pos_emb_time": v["frames"], "hidden_act": "gelu_pytorch_tanh",
+    }
+    return {
+        "architectures": [_ARCH_CLASS["kimi_k25"]],
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "model_type": "kimi_k25",
+        "bos_token_id": common["bos_token_id"],
+        "eos_token_id": common["eos_token_id"],
+        "pad_token_id": common["pad_token_id"],
+        "ignore_index": -100,
+        "media_placeholder_token_id": tok_id["<|media_pad|>"],
+        "image_token_id": tok_id["<|media_pad|>"],
+        "video_token_id": tok_id["<|kimi_k25_video_placeholder|>"],
+        "vision_start_token_id": tok_id["<|media_begin|>"],
+        "vision_end_token_id": tok_id["<|media_end|>"],
+        "projection_hidden_size": v["hidden"],
+        "projection_layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "use_unified_vision_chunk": True,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "text_config": text,
+        "vision_config": vision,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,6 +540,241 @@ def _save_processor(arch: str, directory: Path) -> None:
     tok.save_pretrained(directory)
 
 
+# Remote code written into the tiny Kimi-K2.5 checkpoint (the released one ships its own
+# configuration_kimi_k25.py and kimi_k25_vision_processing.py; these are minimal stand-ins with the
+# same class names and the attributes their callers read). speculators' generator loads the config
+# with AutoConfig(trust_remote_code=True): transformers 4.57 knows no kimi_k25. vLLM < 0.17 loads
+# the image processor with trust_remote_code=True; vLLM 0.32 reads media_proc_cfg itself.
+_KIMI_CONFIG_CODE = '''"""Kimi-K2.5 config (tiny test checkpoint of speculators-compat; released layout)."""
+from transformers import DeepseekV3Config
+
+try:
+    from transformers import PreTrainedConfig as _Base
+except ImportError:  # transformers < 5
+    from transformers import PretrainedConfig as _Base
+
+
+class KimiK25VisionConfig(_Base):
+    model_type = "kimi_k25_vision"
+
+    def __init__(self, patch_size=14, init_pos_emb_height=64, init_pos_emb_width=64, init_pos_emb_time=4,
+                 pos_emb_type="divided_fixed", num_attention_heads=16, num_hidden_layers=27, hidden_size=1152,
+                 intermediate_size=4304, merge_kernel_size=(2, 2), video_attn_type="spatial_temporal",
+                 merge_type="sd2_tpool", mm_projector_type="patchmerger", mm_hidden_size=None,
+                 projector_hidden_act="gelu", projector_ln_eps=1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.patch_size = patch_size
+        self.init_pos_emb_height = init_pos_emb_height
+        self.init_pos_emb_width = init_pos_emb_width
+        self.init_pos_emb_time = init_pos_emb_time
+        self.pos_emb_type = pos_emb_type
+        self.num_attention_heads = num_attention_heads
+        self.num_hidden_layers = num_hidden_layers
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.merge_kernel_size = merge_kernel_size
+        self.video_attn_type = video_attn_type
+        self.merge_type = merge_type
+        self.mm_projector_type = mm_projector_type
+        self.mm_hidden_size = hidden_size if mm_hidden_size is None else mm_hidden_size
+        self.projector_hidden_act = projector_hidden_act
+        self.projector_ln_eps = projector_ln_eps
+
+
+class KimiK25Config(_Base):
+    model_type = "kimi_k25"
+    sub_configs = {"text_config": DeepseekV3Config, "vision_config": KimiK25VisionConfig}
+
+    def __init__(self, vision_config=None, text_config=None, ignore_index=-100, media_placeholder_token_id=163605,
+                 pad_token_id=0, use_unified_vision_chunk=False,
+                 video_placeholder="<|kimi_k25_video_placeholder|>", **kwargs):
+        if vision_config is None:
+            vision_config = KimiK25VisionConfig()
+        elif isinstance(vision_config, dict):
+            vision_config = KimiK25VisionConfig(**vision_config)
+        self.vision_config = vision_config
+        if text_config is None:
+            text_config = DeepseekV3Config()
+        elif isinstance(text_config, dict):
+            text_config = DeepseekV3Config(**{k: v for k, v in text_config.items() if k != "model_type"})
+        self.text_config = text_config
+        self.ignore_index = ignore_index
+        self.media_placeholder_token_id = media_placeholder_token_id
+        self.use_unified_vision_chunk = use_unified_vision_chunk
+        self.video_placeholder = video_placeholder
+        super().__init__(pad_token_id=pad_token_id, **kwargs)
+
+    @property
+    def hidden_size(self):
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self):
+        return self.text_config.vocab_size
+'''
+
+_KIMI_PROCESSOR_CODE = '''"""Kimi-K2.5 vision-chunk image processor (tiny test checkpoint of speculators-compat).
+
+The attributes vLLM's Kimi-K2.5 processing reads: media_tokens_calculator, num_frames_per_chunk,
+preprocess, split_video_chunks. NaViT-style: each frame is scaled (aspect kept) to at most
+in_patch_limit patches of patch_size (and patch_limit_on_one_side per side), cut to whole
+merge_kernel_size x merge_kernel_size blocks; a chunk of t frames gives grid (t, h, w) and
+(h / merge) * (w / merge) tokens (the frames are pooled)."""
+import math
+
+import numpy as np
+import torch
+from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+
+
+class KimiK25VisionProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "grid_thws"]
+
+    def __init__(self, media_proc_cfg=None, **kwargs):
+        super().__init__(**kwargs)
+        self.media_proc_cfg = dict(media_proc_cfg or {})
+        self.num_frames_per_chunk = int(self.media_proc_cfg.get("temporal_merge_kernel_size", 4))
+
+    def _size(self, width, height):
+        c = self.media_proc_cfg
+        ps, m = int(c.get("patch_size", 14)), int(c.get("merge_kernel_size", 2))
+        limit, side = int(c.get("in_patch_limit", 16)), int(c.get("patch_limit_on_one_side", 4))
+        scale = min(1.0, math.sqrt(limit * ps * ps / (width * height)), side * ps / width, side * ps / height)
+        unit = ps * m
+        return max(unit, int(width * scale) // unit * unit), max(unit, int(height * scale) // unit * unit)
+
+    @staticmethod
+    def _frames(chunk):
+        return [chunk["image"]] if chunk["type"] == "image" else list(chunk["video_chunk"])
+
+    def media_tokens_calculator(self, chunk):
+        w, h = self._size(*self._frames(chunk)[0].size)
+        unit = int(self.media_proc_cfg.get("patch_size", 14)) * int(self.media_proc_cfg.get("merge_kernel_size", 2))
+        return (w // unit) * (h // unit)
+
+    def split_video_chunks(self, video):
+        n = self.num_frames_per_chunk
+        return [{"type": "video_chunk", "video_chunk": list(video[i:i + n])} for i in range(0, len(video), n)]
+
+    def preprocess(self, chunks, **kwargs):
+        c = self.media_proc_cfg
+        ps = int(c.get("patch_size", 14))
+        mean = np.asarray(c.get("image_mean", [0.5, 0.5, 0.5]), dtype=np.float32)
+        std = np.asarray(c.get("image_std", [0.5, 0.5, 0.5]), dtype=np.float32)
+        patches, grids = [], []
+        for chunk in chunks:
+            frames = self._frames(chunk)
+            w, h = self._size(*frames[0].size)
+            arr = np.stack([np.asarray(f.convert("RGB").resize((w, h)), dtype=np.float32) / 255.0 for f in frames])
+            arr = ((arr - mean) / std).transpose(0, 3, 1, 2)  # t, 3, h, w
+            t, gh, gw = arr.shape[0], h // ps, w // ps
+            arr = arr.reshape(t, 3, gh, ps, gw, ps).transpose(0, 2, 4, 1, 3, 5).reshape(-1, 3, ps, ps)
+            patches.append(torch.from_numpy(np.ascontiguousarray(arr)))
+            grids.append([t, gh, gw])
+        return BatchFeature(data={"pixel_values": torch.cat(patches), "grid_thws": torch.tensor(grids)})
+'''
+
+_KIMI_MEDIA_PROC_CFG = {
+    "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16, "patch_limit_on_one_side": 4,
+    "fixed_output_tokens": None, "in_patch_limit_each_frame": 16, "in_patch_limit_video": None,
+    "max_num_frames_each_video": None, "fixed_output_tokens_each_frame": None, "sample_fps": 2.0,
+    "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff",
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def _kimi_vision_shapes(vision: dict, text_hidden: int) -> dict[str, tuple[int, ...]]:
+    """Vision tower + projector tensors, named as the released checkpoint names them."""
+    v, i, ps = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    kh, kw = vision["merge_kernel_size"]
+    out: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (v, 3, ps, ps),
+        "vision_tower.patch_embed.proj.bias": (v,),
+        "vision_tower.patch_embed.pos_emb.weight": (vision["init_pos_emb_height"], vision["init_pos_emb_width"], v),
+        "vision_tower.encoder.final_layernorm.weight": (v,),
+        "vision_tower.encoder.final_layernorm.bias": (v,),
+        "mm_projector.pre_norm.weight": (v,),
+        "mm_projector.pre_norm.bias": (v,),
+        "mm_projector.proj.0.weight": (v * kh * kw, v * kh * kw),
+        "mm_projector.proj.0.bias": (v * kh * kw,),
+        "mm_projector.proj.2.weight": (text_hidden, v * kh * kw),
+        "mm_projector.proj.2.bias": (text_hidden,),
+    }
+    for b in range(vision["num_hidden_layers"]):
+        p = f"vision_tower.encoder.blocks.{b}."
+        out.update({
+            p + "norm0.weight": (v,), p + "norm0.bias": (v,), p + "norm1.weight": (v,), p + "norm1.bias": (v,),
+            p + "wqkv.weight": (3 * v, v), p + "wqkv.bias": (3 * v,), p + "wo.weight": (v, v), p + "wo.bias": (v,),
+            p + "mlp.fc0.weight": (i, v), p + "mlp.fc0.bias": (i,), p + "mlp.fc1.weight": (v, i), p + "mlp.fc1.bias": (v,),
+        })
+    return out
+
+
+def _kimi_apply_overrides(cfg: dict, overrides: dict) -> dict:
+    """Overrides go to text_config (the decoder reads MLA dims, routing, llama_4_scaling there),
+    except the wrapper's own keys; ``text_config`` / ``vision_config`` dicts are merged."""
+    cfg = json.loads(json.dumps(cfg))
+    for k, v in overrides.items():
+        if k in ("text_config", "vision_config") and isinstance(v, dict):
+            cfg[k].update(v)
+        elif k in _KIMI_WRAPPER_KEYS:
+            cfg[k] = v
+        else:
+            cfg["text_config"][k] = v
+    return cfg
+
+
+def _build_kimi_k25(directory: Path, cfg: dict, dtype: str) -> None:
+    """Write a tiny Kimi-K2.5 checkpoint (released layout) into ``directory``.
+
+    The text decoder's tensor names and shapes come from transformers' DeepseekV3ForCausalLM
+    (saved, then prefixed with ``language_model.``); the vision tower's and projector's from
+    :func:`_kimi_vision_shapes`. Every tensor is then drawn from its per-name seed, so the
+    weights do not depend on which transformers wrote them."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    text_kwargs = {k: v for k, v in cfg["text_config"].items() if k != "model_type"}
+    text_cfg = _make_config("deepseek_v3", text_kwargs)
+    scratch = directory / "_text"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = AutoModelForCausalLM.from_config(text_cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.save_pretrained(scratch, safe_serialization=True)
+    del model
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(scratch.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                shapes["language_model." + key] = tuple(f.get_slice(key).get_shape())
+    shutil.rmtree(scratch)
+    shapes.update(_kimi_vision_shapes(cfg["vision_config"], cfg["text_config"]["hidden_size"]))
+    tensors = {}
+    for name in sorted(shapes):
+        t = torch.empty(shapes[name], dtype=torch.float32)
+        _init_tensor(name, t, "kimi_k25")
+        keep_fp32 = name.endswith("e_score_correction_bias")  # float32 in the released checkpoint
+        tensors[name] = t if keep_fp32 else t.to(getattr(torch, dtype)).contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(dict(cfg, dtype=dtype, torch_dtype=dtype), indent=2, sort_keys=True) + "\n")
+    (directory / "configuration_kimi_k25.py").write_text(_KIMI_CONFIG_CODE)
+    (directory / "kimi_k25_vision_processing.py").write_text(_KIMI_PROCESSOR_CODE)
+    (directory / "preprocessor_config.json").write_text(json.dumps({
+        "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"},
+        "media_proc_cfg": _KIMI_MEDIA_PROC_CFG,
+    }, indent=2, sort_keys=True) + "\n")
+    tok = _build_tokenizer(VOCAB_SIZE, extra_special=_KIMI_MEDIA_TOKENS)
+    assert tok.convert_tokens_to_ids("<|media_pad|>") == cfg["media_placeholder_token_id"]
+    tok.save_pretrained(directory)
+
+
 def _transformers_major() -> int:
     import transformers
 
@@ -469,6 +796,30 @@ def _cache_key(arch: str, num_layers: int, hidden_size: int, dtype: str, overrid
         default=repr,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:10]
+
+
+def _build_hf_checkpoint(tmp: Path, arch: str, cfg, dtype: str) -> None:
+    """The checkpoint of an arch transformers builds from its config (every arch but kimi_k25)."""
+    import torch
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = _model_class(arch).from_config(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval()
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(tmp, safe_serialization=True)
+    _reinit_checkpoint(tmp, arch)
+    if arch in MULTIMODAL_ARCHITECTURES:
+        _save_processor(arch, tmp)
+    else:
+        tok = _build_tokenizer(cfg.vocab_size)
+        tok.save_pretrained(tmp)
 
 
 def build_tiny_model(
@@ -506,29 +857,18 @@ def build_tiny_model(
 
     root.mkdir(parents=True, exist_ok=True)
     kwargs = tiny_config_kwargs(arch, num_layers=num_layers, hidden_size=hidden_size)
-    kwargs.update(overrides)
-    cfg = _make_config(arch, kwargs)
+    if arch == "kimi_k25":  # a wrapper config written as JSON (transformers 4 has no class for it)
+        kwargs = _kimi_apply_overrides(kwargs, overrides)
+    else:
+        kwargs.update(overrides)
+        cfg = _make_config(arch, kwargs)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float32)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(SEED)
-                model = _model_class(arch).from_config(cfg)
-        finally:
-            torch.set_default_dtype(prev)
-        model.eval()
-        if dtype != "float32":
-            model = model.to(getattr(torch, dtype))
-        model.save_pretrained(tmp, safe_serialization=True)
-        _reinit_checkpoint(tmp, arch)
-        if arch in MULTIMODAL_ARCHITECTURES:
-            _save_processor(arch, tmp)
+        if arch == "kimi_k25":
+            _build_kimi_k25(tmp, kwargs, dtype)
         else:
-            tok = _build_tokenizer(cfg.vocab_size)
-            tok.save_pretrained(tmp)
+            _build_hf_checkpoint(tmp, arch, cfg, dtype)
         (tmp / "speculators_compat_tiny.json").write_text(
             json.dumps(
                 {"arch": arch, "factory_version": FACTORY_VERSION, "key": key,
@@ -565,6 +905,19 @@ _VLLM_KWARGS: dict[tuple[str, str], dict[str, tuple[Any, str]]] = {
             "CPU rotary_embedding custom op is wrong for non-neox (interleaved) rope",
         ),
     },
+    ("kimi_k25", "*"): {
+        "trust_remote_code": (
+            True,
+            "the released checkpoint ships its config and image processor as remote code "
+            "(vLLM 0.16 loads the processor with it regardless; speculators' generator passes it)",
+        ),
+    },
+    ("kimi_k25", "cpu"): {  # its text decoder is DeepSeek-V3's
+        "compilation_config": (
+            {"custom_ops": ["-rotary_embedding"]},
+            "CPU rotary_embedding custom op is wrong for non-neox (interleaved) rope",
+        ),
+    },
 }
 
 # (arch, platform) -> {ENV: (value, reason)}
@@ -573,6 +926,9 @@ _VLLM_ENV: dict[tuple[str, str], dict[str, tuple[str, str]]] = {
         "VLLM_CPU_KVCACHE_SPACE": ("1", "1 GiB KV cache is plenty for tiny models"),
     },
     ("deepseek_v3", "cpu"): {
+        "VLLM_MLA_DISABLE": ("1", "CPU has no MLA for these dims (0.32: only head size 576)"),
+    },
+    ("kimi_k25", "cpu"): {
         "VLLM_MLA_DISABLE": ("1", "CPU has no MLA for these dims (0.32: only head size 576)"),
     },
 }
