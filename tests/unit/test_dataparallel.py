@@ -78,7 +78,8 @@ def _run(tmp_path: Path, out: Path, kill_at_call=None, log=None) -> subprocess.C
         print("SUMMARY " + json.dumps({{k: v for k, v in summary.items() if k != "per_shard"}}))
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECULATORS_COMPAT_")}
+    env.update(PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), SPECULATORS_COMPAT_DISABLE="1")
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
 
 

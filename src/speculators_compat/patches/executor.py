@@ -28,9 +28,17 @@ asked for):
   each keeping its own stage's layers (what vLLM's engine core does). The probe checks that
   ``__init__`` really looks ``MultiprocExecutor`` up by name and that ``Executor.get_class`` binds
   ``(vllm_config)``.
-- The driver keeps one batch in flight on Ray (``extraction.steps.pipeline_depth``): Ray sends
-  shim RPCs as actor tasks and model steps through a compiled graph, two channels with no order
-  between them, so a step's row placement could overtake the previous step's forward.
+- Which Ray executor: vLLM's own choice. From 0.32 that is ``RayExecutorV2`` by default
+  (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1``), a ``MultiprocExecutor`` whose workers are Ray actors:
+  the same ordered message queues (shared memory on the driver's node, TCP elsewhere), so the
+  pipelined driver, async scheduling and ``protocol.fence`` work as on one host. With the legacy
+  ``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, and vLLM < 0.32) shim RPCs
+  travel as actor tasks and model steps through a Ray compiled graph, two channels with no order
+  between them: the driver keeps one batch in flight there (``extraction.steps.pipeline_depth``)
+  and async scheduling stays off; a failed call marks that generator unusable (no fence).
+- The captured states travel through the caller's shared memory, so every *capturing* worker
+  (TP rank 0 of each pipeline stage) must run on the caller's host; stages on other hosts are
+  not supported yet (their ``begin`` fails naming the exchange).
 - On a platform where vLLM's Ray executor does not run (CPU: vLLM's ``ray_device_key`` is
   empty; vLLM raises "current platform cpu does not support ray."), asking for Ray is one line
   naming the platform, before any Ray cluster is started.
@@ -44,6 +52,7 @@ import types
 
 from .. import settings
 from ..registry import wrapper_patch
+from ..extraction.steps import executor_takes_futures
 from ._signatures import GENERATOR, import_attr, parameters, require_params
 
 EXECUTORS = ("mp", "ray")
@@ -188,6 +197,14 @@ def _per_rank_initialize(executor, initialize):
     return initialize_from_config
 
 
+def ordered_control_plane(executor_cls) -> bool:
+    """True where shim RPCs and model steps travel through one ordered queue per worker
+    (MultiprocExecutor and its subclasses, e.g. vLLM's RayExecutorV2)."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    return isinstance(executor_cls, type) and issubclass(executor_cls, MultiprocExecutor)
+
+
 def build_executor(vllm_config):
     """vLLM's own executor for this config (``Executor.get_class``): Ray where asked for; else the
     generator module's ``MultiprocExecutor`` as it stands (with the async-scheduling patch)."""
@@ -197,8 +214,9 @@ def build_executor(vllm_config):
 
     module = sys.modules[GENERATOR]
     if vllm_config.parallel_config.distributed_executor_backend == "ray":
-        settle_async_scheduling(vllm_config, False)  # one batch in flight on Ray (module docstring)
-        executor = Executor.get_class(vllm_config)(vllm_config=vllm_config)
+        cls = Executor.get_class(vllm_config)
+        settle_async_scheduling(vllm_config, ordered_control_plane(cls) and executor_takes_futures(cls))
+        executor = cls(vllm_config=vllm_config)
     else:
         executor = module.MultiprocExecutor(vllm_config=vllm_config)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
