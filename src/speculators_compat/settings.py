@@ -58,6 +58,10 @@ SETTINGS: dict[str, Setting] = {
                 "async scheduling left off)"),
         Setting("SPECULATORS_COMPAT_ASYNC_SCHEDULING", "flag", True,
                 "the workers' async scheduling on accelerators (with the pipelined driver)"),
+        Setting("SPECULATORS_COMPAT_EXECUTOR", "text", None,
+                "`ray`: the generator's engine on vLLM's Ray executor (default `mp`: MultiprocExecutor)"),
+        Setting("SPECULATORS_COMPAT_PIPELINE_PARALLEL_SIZE", "number", 1.0,
+                "pipeline stages of the generator's engine (`pipeline_parallel_size`)", minimum=0),
     ]
 }
 

@@ -43,6 +43,11 @@ def pipeline_depth(executor) -> int:
 
     if not settings.flag("SPECULATORS_COMPAT_PIPELINE"):
         return 1
+    if getattr(executor, "uses_ray", False) and protocol.fence_supported(executor) is not None:
+        # vLLM's legacy Ray executor: shim RPCs travel as actor tasks, model steps through a
+        # compiled graph, with no order between the two (a step's placement could overtake the
+        # previous forward). RayExecutorV2 shares MultiprocExecutor's one ordered queue.
+        return 1
     return 2 if executor_takes_futures(type(executor)) else 1
 
 

@@ -3,7 +3,18 @@ patches answer; version ranges live in compat_matrix.yaml (by patch id), not her
 
 from __future__ import annotations
 
-from . import engine_config, engine_options, execution, kv_cache, platform, scheduler_request, speculators_import, speculators_script, worker_capture
+from . import (
+    engine_config,
+    engine_options,
+    execution,
+    executor,
+    kv_cache,
+    platform,
+    scheduler_request,
+    speculators_import,
+    speculators_script,
+    worker_capture,
+)
 
 FAMILY_MODULES = (
     speculators_import,
@@ -13,6 +24,7 @@ FAMILY_MODULES = (
     kv_cache,
     scheduler_request,
     execution,
+    executor,
     worker_capture,
     speculators_script,
 )

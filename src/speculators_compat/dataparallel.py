@@ -1,0 +1,300 @@
+"""Data-parallel extraction: one generator per GPU group, as Ray actors, over shards of a dataset.
+
+    from speculators_compat import dataparallel
+
+    if __name__ == "__main__":
+        stats = dataparallel.extract(
+            "path/to/model", layer_ids=[2, 16, 29, 31],
+            shards=[shard0, shard1, ...],      # each a list of samples: token ids, or
+                                               # {"input_ids": [...], "loss_mask": [...]}
+            out_dir="training_data", num_actors=8, tensor_parallel_size=1, batch_size=8,
+        )
+
+Output: speculators' own on-disk format (``scripts/data_generation_offline.py``): one
+``data_<i>.pt`` per sample, ``torch.save`` of ``{"input_ids", "hidden_states" (one contiguous
+tensor per layer id), "loss_mask"}``, where ``i`` is the sample's index over all shards in
+order (``start_idx`` added). The loss mask is the sample's own, cut to the (truncated) length,
+or ``None`` where the sample has none (as the generator returns it).
+
+Resumable: after the last file of a shard is written, a marker ``.shards/shard_<k>.json`` is
+written atomically (temporary file, then rename). A shard whose marker exists and names the
+same inputs (count, first index, a digest of its token ids, layer ids) is skipped; any other
+shard is redone from its first sample (its files are rewritten, each atomically), so a shard
+cut off half-way is never left half-written. Progress: one line per finished shard with its
+tokens per second (``progress``, default ``print``).
+
+Placement: each actor asks Ray for ``gpus_per_actor`` GPUs (default: ``tensor_parallel_size``
+where CUDA is available, else 0) and ``cpus_per_actor`` CPUs; its generator runs vLLM's default
+executor on them (``SPECULATORS_COMPAT_EXECUTOR`` is not passed on unless ``actor_env`` says
+so). ``ray_address``: an existing cluster (``ray start --head`` / ``ray start --address=...``);
+default: the cluster this process is connected to, else a local one that ``extract`` starts
+and stops. Ray is imported only here (``pip install 'speculators-compat[ray]'``).
+
+``extract_local`` runs the same shard loop in this process with a generator you built: the
+single-generator reference the data-parallel output is checked against, row for row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+__all__ = ["extract", "extract_local", "plan", "pending", "run_shard", "ShardSpec"]
+
+MARKER_DIR = ".shards"
+FILE_PATTERN = "data_{idx}.pt"
+
+
+class ShardSpec:
+    """Shard ``index``: ``count`` samples whose files are ``data_<first>`` … ``data_<first+count-1>``."""
+
+    __slots__ = ("index", "first", "count", "digest")
+
+    def __init__(self, index: int, first: int, count: int, digest: str):
+        self.index, self.first, self.count, self.digest = index, first, count, digest
+
+    def marker(self, out_dir: Path) -> Path:
+        return Path(out_dir) / MARKER_DIR / f"shard_{self.index:06d}.json"
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "first": self.first, "count": self.count, "digest": self.digest}
+
+
+def _ids_and_mask(sample) -> tuple[list[int], Any]:
+    if isinstance(sample, dict):
+        if "input_ids" not in sample:
+            raise ValueError(f"a sample dict needs 'input_ids'; found keys {sorted(sample)}")
+        ids, mask = sample["input_ids"], sample.get("loss_mask")
+    else:
+        ids, mask = sample, None
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    ids = list(ids)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("every sample must be a non-empty sequence of integer token ids")
+    return ids, mask
+
+
+def _digest(samples, layer_ids) -> str:
+    h = hashlib.sha256(json.dumps(list(layer_ids) if layer_ids is not None else None).encode())
+    for sample in samples:
+        ids, _ = _ids_and_mask(sample)
+        h.update(len(ids).to_bytes(8, "little"))
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids))
+    return h.hexdigest()[:32]
+
+
+def plan(shards: Iterable[list], layer_ids=None, start_idx: int = 0) -> list[ShardSpec]:
+    """Each shard's file range and input digest, in order."""
+    specs, first = [], start_idx
+    for k, samples in enumerate(shards):
+        samples = list(samples)
+        if not samples:
+            raise ValueError(f"shard {k} is empty")
+        specs.append(ShardSpec(k, first, len(samples), _digest(samples, layer_ids)))
+        first += len(samples)
+    return specs
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pending(specs: list[ShardSpec], out_dir) -> list[ShardSpec]:
+    """The shards without a marker naming the same inputs (finished shards are skipped)."""
+    todo = []
+    for spec in specs:
+        done = _read_marker(spec.marker(Path(out_dir)))
+        if not done or any(done.get(k) != v for k, v in spec.as_dict().items()):
+            todo.append(spec)
+    return todo
+
+
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _torch_save(data, path) -> None:
+    import torch
+
+    torch.save(data, path)
+
+
+def run_shard(generator, spec: ShardSpec, samples: list, out_dir, batch_size: int = 8, save=None) -> dict:
+    """Generate one shard with ``generator`` (``generate(token_ids)``, speculators' contract),
+    write its files (``save(data, path)``, default ``torch.save``), then its marker; returns the
+    shard's statistics."""
+    save = save or _torch_save
+    out = Path(out_dir)
+    (out / MARKER_DIR).mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tokens = 0
+    idx = spec.first
+    for start in range(0, len(samples), batch_size):
+        batch = [_ids_and_mask(s) for s in samples[start : start + batch_size]]
+        results = generator.generate([ids for ids, _ in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"shard {spec.index}: the generator returned {len(results)} results for {len(batch)} samples")
+        for (_, mask), result in zip(batch, results):
+            n = len(result["input_ids"])
+            if mask is not None:
+                mask = mask[:n]
+            data = {
+                "input_ids": result["input_ids"],
+                "hidden_states": [h.contiguous() if hasattr(h, "contiguous") else h for h in result["hidden_states"]],
+                "loss_mask": mask,
+            }
+            _atomic_write(out / FILE_PATTERN.format(idx=idx), lambda p, d=data: save(d, p))
+            tokens += n
+            idx += 1
+    seconds = time.perf_counter() - t0
+    stats = {**spec.as_dict(), "tokens": tokens, "seconds": round(seconds, 6), "tok_per_s": round(tokens / seconds, 1) if seconds > 0 else None}
+    _atomic_write(spec.marker(out), lambda p: Path(p).write_text(json.dumps(stats)))
+    return stats
+
+
+def _line(stats: dict, total: int, who: str) -> str:
+    return (
+        f"shard {stats['index'] + 1}/{total} done{who}: {stats['count']} samples, {stats['tokens']} tokens "
+        f"in {stats['seconds']:.2f}s ({stats['tok_per_s']} tok/s)"
+    )
+
+
+def extract_local(generator, shards, out_dir, *, layer_ids=None, batch_size: int = 8, start_idx: int = 0,
+                  progress: Callable[[str], None] | None = print, save=None) -> dict:
+    """The same shard loop as ``extract``, in this process, with ``generator``."""
+    shards = [list(s) for s in shards]
+    specs = plan(shards, layer_ids if layer_ids is not None else getattr(generator, "layer_ids", None), start_idx)
+    todo = pending(specs, out_dir)
+    done = []
+    t0 = time.perf_counter()
+    for spec in todo:
+        stats = run_shard(generator, spec, shards[spec.index], out_dir, batch_size, save)
+        done.append(stats)
+        if progress:
+            progress(_line(stats, len(specs), ""))
+    return _summary(specs, todo, done, time.perf_counter() - t0)
+
+
+def _summary(specs, todo, done, seconds) -> dict:
+    tokens = sum(s["tokens"] for s in done)
+    return {
+        "shards": len(specs),
+        "skipped": len(specs) - len(todo),
+        "computed": len(done),
+        "samples": sum(s["count"] for s in done),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+        "per_shard": done,
+    }
+
+
+class _Extractor:
+    """A Ray actor's body: one generator, kept for every shard the actor is handed."""
+
+    def __init__(self, model, layer_ids, generator_kwargs, env):
+        os.environ.update(env or {})
+        import speculators_compat  # noqa: F401  (before speculators: activates the shim)
+        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+        self.generator = VllmHiddenStatesGenerator(model, layer_ids=layer_ids, **(generator_kwargs or {}))
+
+    def run(self, spec: dict, samples, out_dir, batch_size):
+        return run_shard(self.generator, ShardSpec(**spec), samples, out_dir, batch_size)
+
+    def close(self):
+        gen, self.generator = self.generator, None
+        executor = getattr(gen, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+        return True
+
+
+def extract(model: str, layer_ids, shards, out_dir, *, num_actors: int = 1, batch_size: int = 8,
+            tensor_parallel_size: int = 1, max_model_len: int = 2048, generator_kwargs: dict | None = None,
+            gpus_per_actor: float | None = None, cpus_per_actor: float = 1,
+            actor_env: dict | Callable[[int], dict] | None = None, ray_address: str | None = None,
+            start_idx: int = 0, progress: Callable[[str], None] | None = print) -> dict:
+    """Extract hidden states for ``shards`` with ``num_actors`` generators on Ray (see module doc).
+
+    Returns a summary: shards, skipped (finished before), computed, samples, tokens, seconds,
+    tok_per_s and each computed shard's statistics."""
+    if num_actors < 1:
+        raise ValueError(f"num_actors must be at least 1; got {num_actors}")
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(f"data-parallel extraction runs on Ray: pip install 'speculators-compat[ray]' ({exc})") from None
+
+    shards = [list(s) for s in shards]
+    specs = plan(shards, layer_ids, start_idx)
+    out = Path(out_dir).resolve()
+    (out / MARKER_DIR).mkdir(parents=True, exist_ok=True)
+    todo = pending(specs, out)
+    t0 = time.perf_counter()
+    if progress and len(todo) < len(specs):
+        progress(f"{len(specs) - len(todo)}/{len(specs)} shard(s) already finished: skipped")
+    if not todo:
+        return _summary(specs, todo, [], 0.0)
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
+        started = True
+    if gpus_per_actor is None:
+        gpus_per_actor = tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
+    kwargs = {"tensor_parallel_size": tensor_parallel_size, "max_model_len": max_model_len, **(generator_kwargs or {})}
+    Actor = ray.remote(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)(_Extractor)
+    n = min(num_actors, len(todo))
+    actors = []
+    done: list[dict] = []
+    try:
+        for i in range(n):
+            env = actor_env(i) if callable(actor_env) else dict(actor_env or {})
+            actors.append(Actor.remote(model, layer_ids, kwargs, env))
+        queue = list(todo)
+        inflight: dict = {}
+
+        def hand(actor_i):
+            spec = queue.pop(0)
+            ref = actors[actor_i].run.remote(spec.as_dict(), shards[spec.index], str(out), batch_size)
+            inflight[ref] = actor_i
+
+        for i in range(n):
+            if queue:
+                hand(i)
+        while inflight:
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ref = ready[0]
+            actor_i = inflight.pop(ref)
+            stats = ray.get(ref)
+            done.append(stats)
+            if progress:
+                progress(_line(stats, len(specs), f" (actor {actor_i})"))
+            if queue:
+                hand(actor_i)
+    finally:
+        for a in actors:
+            try:
+                ray.get(a.close.remote(), timeout=120)
+            except Exception:  # noqa: BLE001 - a failed actor is killed below either way
+                pass
+            ray.kill(a)
+        if started:
+            ray.shutdown()
+    done.sort(key=lambda s: s["index"])
+    return _summary(specs, todo, done, time.perf_counter() - t0)

@@ -1,0 +1,277 @@
+"""The generator's executor: speculators hard-codes vLLM's ``MultiprocExecutor`` (one host).
+
+What speculators hard-codes (0.3.0, 0.4.0, 0.4.0.1, ``vllm_hidden_states_generator.py``):
+- ``VllmHiddenStatesGenerator.__init__`` builds ``self.executor = MultiprocExecutor(vllm_config=...)``
+  — a name imported at module level, so neither vLLM's own executor choice
+  (``Executor.get_class``, which reads ``ParallelConfig.distributed_executor_backend``) nor its
+  multi-node backend, ``RayDistributedExecutor``, can ever be reached;
+- ``_create_vllm_config`` builds ``ParallelConfig(tensor_parallel_size=..., worker_extension_cls=...)``
+  and nothing else: no ``pipeline_parallel_size``, no ``distributed_executor_backend``;
+- ``__init__`` reads the KV-cache spec of rank 0 only (``collective_rpc("get_kv_cache_spec")[0]``)
+  and hands ``[kv_cache_config] * tensor_parallel_size`` to ``initialize_from_config``, which
+  vLLM indexes by *global* rank: with pipeline stages, rank ≥ tp finds no config (IndexError),
+  and stage 0's spec names only stage 0's layers.
+
+How the patches answer (opt-in; nothing changes unless asked, and Ray is never imported unless
+asked for):
+- ``executor-backend`` wraps ``ParallelConfig`` in the generator's namespace: with
+  ``SPECULATORS_COMPAT_EXECUTOR=ray`` it passes ``distributed_executor_backend="ray"``; with
+  ``SPECULATORS_COMPAT_PIPELINE_PARALLEL_SIZE=N`` (N > 1) it passes ``pipeline_parallel_size=N``.
+  The probe binds exactly that call (speculators' two arguments plus ours) to the installed
+  ``ParallelConfig`` signature.
+- ``executor-class`` wraps ``VllmHiddenStatesGenerator.__init__``: where the engine is not the
+  default (Ray, or pipeline stages), ``__init__`` runs with its name ``MultiprocExecutor``
+  resolved to vLLM's own choice, ``Executor.get_class(vllm_config)``, for that construction only
+  (the module attribute is untouched; the ``async-scheduling`` patch that owns it still builds
+  multiprocess executors). With pipeline stages, the KV-cache spec handed to speculators is the
+  union of every stage's layers, and ``initialize_from_config`` gets one config per global rank,
+  each keeping its own stage's layers (what vLLM's engine core does). The probe checks that
+  ``__init__`` really looks ``MultiprocExecutor`` up by name and that ``Executor.get_class`` binds
+  ``(vllm_config)``.
+- Which Ray executor: vLLM's own choice. From 0.32 that is ``RayExecutorV2`` by default
+  (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1``), a ``MultiprocExecutor`` whose workers are Ray actors:
+  the same ordered message queues (shared memory on the driver's node, TCP elsewhere), so the
+  pipelined driver, async scheduling and ``protocol.fence`` work as on one host. With the legacy
+  ``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, and vLLM < 0.32) shim RPCs
+  travel as actor tasks and model steps through a Ray compiled graph, two channels with no order
+  between them: the driver keeps one batch in flight there (``extraction.steps.pipeline_depth``)
+  and async scheduling stays off; a failed call marks that generator unusable (no fence).
+- The captured states travel through the caller's shared memory, so every *capturing* worker
+  (TP rank 0 of each pipeline stage) must run on the caller's host; stages on other hosts are
+  not supported yet (their ``begin`` fails naming the exchange).
+- On a platform where vLLM's Ray executor does not run (CPU: vLLM's ``ray_device_key`` is
+  empty; vLLM raises "current platform cpu does not support ray."), asking for Ray is one line
+  naming the platform, before any Ray cluster is started.
+Default (nothing set): ``MultiprocExecutor``, exactly as speculators builds it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from .. import settings
+from ..registry import wrapper_patch
+from ..extraction.steps import executor_takes_futures
+from ._signatures import GENERATOR, import_attr, parameters, require_params
+
+EXECUTORS = ("mp", "ray")
+
+
+class ExecutorChoiceError(ValueError):
+    """The executor asked for cannot be built (bad setting, or vLLM does not run it here)."""
+
+
+def choice() -> str:
+    """The executor asked for: ``mp`` (default, speculators' MultiprocExecutor) or ``ray``."""
+    raw = settings.text("SPECULATORS_COMPAT_EXECUTOR")
+    value = (raw or "mp").strip().lower()
+    if value not in EXECUTORS:
+        raise settings.SettingError(f"SPECULATORS_COMPAT_EXECUTOR={raw!r}: expected one of {', '.join(EXECUTORS)}")
+    return value
+
+
+def pipeline_parallel_size() -> int:
+    raw = settings.number("SPECULATORS_COMPAT_PIPELINE_PARALLEL_SIZE")
+    if raw is None:
+        return 1
+    if raw != int(raw):
+        raise settings.SettingError(f"SPECULATORS_COMPAT_PIPELINE_PARALLEL_SIZE={raw!r}: expected a whole number ≥ 1")
+    return int(raw)
+
+
+def custom_engine() -> bool:
+    return choice() != "mp" or pipeline_parallel_size() > 1
+
+
+# -- executor-backend: ParallelConfig ------------------------------------------------------
+
+
+def _parallel_config_args(wrapped, instance, args, kwargs):
+    if choice() == "ray":
+        kwargs["distributed_executor_backend"] = "ray"
+    pp = pipeline_parallel_size()
+    if pp > 1:
+        kwargs["pipeline_parallel_size"] = pp
+    return wrapped(*args, **kwargs)
+
+
+def _probe_parallel_config(current):
+    import inspect
+
+    real = import_attr("vllm.config", "ParallelConfig")
+    problem = require_params(
+        real,
+        ("tensor_parallel_size", "worker_extension_cls", "pipeline_parallel_size", "distributed_executor_backend"),
+        "vllm.config.ParallelConfig",
+    )
+    if problem:
+        return problem
+    try:  # the call the adapter makes, bound to the installed signature (nothing is built)
+        inspect.signature(real).bind(
+            tensor_parallel_size=2,
+            worker_extension_cls="speculators.data_generation.custom_worker.HiddenStatesWorkerExtension",
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+        )
+    except TypeError as exc:
+        return f"expected ParallelConfig(tensor_parallel_size, worker_extension_cls, pipeline_parallel_size, distributed_executor_backend) to bind; {exc}"
+    return None
+
+
+# -- executor-class: VllmHiddenStatesGenerator.__init__ ------------------------------------
+
+
+def _check_platform_runs_ray() -> None:
+    from vllm.platforms import current_platform
+
+    if not getattr(current_platform, "ray_device_key", ""):
+        name = getattr(current_platform, "device_name", None) or type(current_platform).__name__
+        raise ExecutorChoiceError(
+            f"SPECULATORS_COMPAT_EXECUTOR=ray: vLLM's Ray executor does not run on the {name} platform "
+            f"(vLLM: 'current platform {name} does not support ray.'); unset it to use MultiprocExecutor"
+        )
+
+
+def _import_ray_or_explain() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        raise ExecutorChoiceError(
+            f"SPECULATORS_COMPAT_EXECUTOR=ray needs Ray: pip install 'speculators-compat[ray]' ({exc})"
+        ) from None
+
+
+def _merged_spec_rpc(executor, rpc):
+    """collective_rpc where ``get_kv_cache_spec`` answers, at rank 0, every stage's layers."""
+
+    def collective_rpc(method, *args, **kwargs):
+        result = rpc(method, *args, **kwargs)
+        if method == "get_kv_cache_spec" and isinstance(result, list) and result:
+            executor._speculators_compat_stage_specs = [dict(r) for r in result]
+            merged = {}
+            for spec in result:
+                merged.update(spec)
+            result = [merged, *result[1:]]
+        return result
+
+    return collective_rpc
+
+
+def per_rank_configs(config, stage_specs: list[dict]):
+    """One KV-cache config per global rank from a config over every stage's layers: each keeps
+    the groups and tensors of its own layers (vLLM's engine core gives each worker its own)."""
+    import copy
+
+    out = []
+    for spec in stage_specs:
+        mine = set(spec)
+        c = copy.copy(config)
+        groups = []
+        for g in config.kv_cache_groups:
+            names = [n for n in g.layer_names if n in mine]
+            if names:
+                g2 = copy.copy(g)
+                g2.layer_names = names
+                groups.append(g2)
+        tensors = []
+        for t in config.kv_cache_tensors:
+            shared = [n for n in t.shared_by if n in mine]
+            if shared:
+                t2 = copy.copy(t)
+                t2.shared_by = shared
+                tensors.append(t2)
+        c.kv_cache_groups, c.kv_cache_tensors = groups, tensors
+        out.append(c)
+    return out
+
+
+def _per_rank_initialize(executor, initialize):
+    def initialize_from_config(kv_cache_configs):
+        specs = getattr(executor, "_speculators_compat_stage_specs", None)
+        world = executor.vllm_config.parallel_config.world_size
+        if specs and len(kv_cache_configs) < world:
+            kv_cache_configs = per_rank_configs(kv_cache_configs[0], specs)
+        return initialize(kv_cache_configs)
+
+    return initialize_from_config
+
+
+def ordered_control_plane(executor_cls) -> bool:
+    """True where shim RPCs and model steps travel through one ordered queue per worker
+    (MultiprocExecutor and its subclasses, e.g. vLLM's RayExecutorV2)."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    return isinstance(executor_cls, type) and issubclass(executor_cls, MultiprocExecutor)
+
+
+def build_executor(vllm_config):
+    """vLLM's own executor for this config (``Executor.get_class``): Ray where asked for; else the
+    generator module's ``MultiprocExecutor`` as it stands (with the async-scheduling patch)."""
+    from vllm.v1.executor.abstract import Executor
+
+    from .engine_config import settle_async_scheduling
+
+    module = sys.modules[GENERATOR]
+    if vllm_config.parallel_config.distributed_executor_backend == "ray":
+        cls = Executor.get_class(vllm_config)
+        settle_async_scheduling(vllm_config, ordered_control_plane(cls) and executor_takes_futures(cls))
+        executor = cls(vllm_config=vllm_config)
+    else:
+        executor = module.MultiprocExecutor(vllm_config=vllm_config)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        executor.collective_rpc = _merged_spec_rpc(executor, executor.collective_rpc)
+        executor.initialize_from_config = _per_rank_initialize(executor, executor.initialize_from_config)
+    return executor
+
+
+def _generator_init(wrapped, instance, args, kwargs):
+    if not custom_engine():
+        return wrapped(*args, **kwargs)
+    if choice() == "ray":
+        _check_platform_runs_ray()
+        _import_ray_or_explain()
+    original = getattr(wrapped, "__func__", wrapped)
+    module = sys.modules[GENERATOR]
+    scope = dict(vars(module))
+    scope["MultiprocExecutor"] = build_executor
+    init = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
+    init.__kwdefaults__ = original.__kwdefaults__
+    return init(instance, *args, **kwargs)
+
+
+def _probe_generator_init(current):
+    original = getattr(current, "__wrapped__", current)
+    original = getattr(original, "__func__", original)
+    code = getattr(original, "__code__", None)
+    if code is None:
+        return f"expected VllmHiddenStatesGenerator.__init__ to be a Python function; found {current!r}"
+    if "MultiprocExecutor" not in code.co_names:
+        return "expected VllmHiddenStatesGenerator.__init__ to build MultiprocExecutor by name; it does not"
+    if "MultiprocExecutor" not in vars(sys.modules[GENERATOR]):
+        return "expected the generator module to import MultiprocExecutor; not found"
+    get_class = import_attr("vllm.v1.executor.abstract", "Executor.get_class")
+    params = parameters(get_class)
+    if params is None or list(params)[:1] != ["vllm_config"]:
+        return f"expected Executor.get_class(vllm_config); found {params and list(params)}"
+    return None
+
+
+PATCHES = [
+    wrapper_patch(
+        "executor-backend",
+        "executor",
+        GENERATOR,
+        "ParallelConfig",
+        _parallel_config_args,
+        _probe_parallel_config,
+    ),
+    wrapper_patch(
+        "executor-class",
+        "executor",
+        GENERATOR,
+        "VllmHiddenStatesGenerator.__init__",
+        _generator_init,
+        _probe_generator_init,
+    ),
+]
