@@ -16,7 +16,11 @@
 src/ makes older results stale; commits that touch only results or docs do not).
 
 Outside a git checkout (an installed wheel, git missing) ``commit``/``dirty``/``src_tree`` are
-``null`` and ``reason`` says why; such a result never counts as verified.
+``null`` and ``reason`` says why; such a result never counts as verified. One exception: a copy of
+the checkout without ``.git`` (the GPU machine gets the work tree only) that carries
+``.checkout.json`` (written by ``python -m speculators_compat.testing.provenance --stamp`` before
+the copy: the commit and its src tree). There the tree hash of the files under ``src/`` is computed
+as git would (``src_tree_from: "files"``) and ``dirty`` is whether it differs from the stamp's.
 
 Machine paths are kept out: the command's arguments under the checkout are made relative to it,
 other absolute paths are reduced to their last component.
@@ -176,6 +180,8 @@ def provenance(command: str | list[str] | None = None) -> dict:
     if root is None:
         out["reason"] = f"speculators_compat is not imported from a source checkout ({_PACKAGE.name} is installed)"
         return out
+    if not (root / ".git").exists():
+        return _from_files(root, out, matrix)
     try:
         commit = _git(root, "rev-parse", "HEAD").strip()
         src_tree = _git(root, "rev-parse", f"{commit}:src").strip()
@@ -194,7 +200,95 @@ def provenance(command: str | list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":  # python -m speculators_compat.testing.provenance
+STAMP = ".checkout.json"  # ignored by git (.gitignore); carried to machines without .git
+
+
+def _blob_id(data: bytes) -> bytes:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
+
+
+_IGNORED_PARTS = ("__pycache__",)
+_IGNORED_SUFFIXES = (".pyc", ".pyo")
+
+
+def tree_id(folder: Path) -> str:
+    """The git tree hash of ``folder``'s files, computed from the files (what ``git rev-parse
+    <commit>:<folder>`` gives for a clean checkout); ``__pycache__``/``*.pyc`` are left out, as
+    .gitignore does, and empty folders (git keeps none)."""
+
+    def tree(d: Path) -> bytes | None:
+        entries = []
+        for child in d.iterdir():
+            if child.name in _IGNORED_PARTS or child.name.endswith(_IGNORED_SUFFIXES) or child.name.endswith(".egg-info"):
+                continue
+            if child.is_symlink():
+                entries.append((child.name, b"120000", _blob_id(os.readlink(child).encode())))
+            elif child.is_dir():
+                sub = tree(child)
+                if sub is not None:
+                    entries.append((child.name + "/", b"40000", sub))
+            elif child.is_file():
+                mode = b"100755" if os.access(child, os.X_OK) else b"100644"
+                entries.append((child.name, mode, _blob_id(child.read_bytes())))
+        if not entries:
+            return None
+        entries.sort(key=lambda e: e[0].encode())  # git orders a folder as its name + "/"
+        body = b"".join(m + b" " + n.rstrip("/").encode() + b"\0" + h for n, m, h in entries)
+        return hashlib.sha1(b"tree %d\0" % len(body) + body).digest()
+
+    got = tree(folder)
+    return got.hex() if got is not None else ""
+
+
+def _from_files(root: Path, out: dict, matrix: Path | None) -> dict:
     import json
 
-    print(json.dumps(provenance(), indent=2))
+    stamp = root / STAMP
+    if not stamp.is_file():
+        out["reason"] = f"no .git and no {STAMP} in the checkout copy: cannot bind the result to a commit"
+        return out
+    try:
+        recorded = json.loads(stamp.read_text())
+        commit, want = str(recorded["commit"]), str(recorded["src_tree"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        out["reason"] = f"{STAMP} unreadable: {type(exc).__name__}: {exc}"
+        return out
+    have = tree_id(root / "src")
+    changed = [] if have == want else [f"src/ tree from files {have[:12]} != {want[:12]} recorded for {commit[:12]}"]
+    own = root / "compat_matrix.yaml"
+    if recorded.get("matrix_sha256") and own.is_file() and hashlib.sha256(own.read_bytes()).hexdigest() != recorded["matrix_sha256"]:
+        changed.append("compat_matrix.yaml differs from the stamped commit's")
+    if matrix is not None and own.is_file() and matrix.read_bytes() != own.read_bytes():
+        changed.append(f"matrix in use is not the checkout's compat_matrix.yaml ({matrix.name})")
+    out.update(commit=commit, dirty=bool(changed), src_tree=have, src_tree_from="files")
+    if changed:
+        out["dirty_files"] = changed
+    return out
+
+
+def stamp(root: Path | None = None) -> Path:
+    """Write ``.checkout.json`` (HEAD's commit, its src tree and matrix hash) for a copy of the
+    checkout that travels without .git. Refuses a dirty src/: the stamp would not describe it."""
+    import json
+
+    root = root or repo_root()
+    if root is None:
+        raise RuntimeError("not a source checkout")
+    info = provenance("stamp")
+    if info.get("dirty") or not info.get("commit"):
+        raise RuntimeError(f"refusing to stamp: {info.get('dirty_files') or info.get('reason')}")
+    own = root / "compat_matrix.yaml"
+    data = {"commit": info["commit"], "src_tree": info["src_tree"],
+            "matrix_sha256": hashlib.sha256(own.read_bytes()).hexdigest() if own.is_file() else None}
+    path = root / STAMP
+    path.write_text(json.dumps(data) + "\n")
+    return path
+
+
+if __name__ == "__main__":  # python -m speculators_compat.testing.provenance [--stamp]
+    import json
+
+    if "--stamp" in sys.argv[1:]:
+        print(stamp())
+    else:
+        print(json.dumps(provenance(), indent=2))

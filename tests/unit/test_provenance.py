@@ -1,0 +1,83 @@
+"""Provenance outside a git checkout: the GPU machine gets the work tree without .git. The tree
+hash computed from the files must equal git's, and a changed file must make the result dirty."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speculators_compat.testing import provenance as prov
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _worktree_src_tree(tmp_path) -> str:
+    """git's tree hash of the working tree's src/ (tracked + untracked, not ignored), through a
+    scratch index: what HEAD:src will be once this is committed."""
+    import os
+
+    env = {**os.environ, "GIT_INDEX_FILE": str(tmp_path / "index")}
+    subprocess.run(["git", "-C", str(ROOT), "add", "-A", "src"], env=env, check=True, capture_output=True)
+    return subprocess.run(["git", "-C", str(ROOT), "write-tree", "--prefix=src/"], env=env, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def head_copy(tmp_path):
+    """The checkout's files without .git, as the device tool copies them; ``want`` = git's hash."""
+    if not (ROOT / ".git").exists():
+        pytest.fail("the unit tests run in a git checkout (provenance is bound to commits)")
+    out = tmp_path / "copy"
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "src", "pyproject.toml",
+                            "compat_matrix.yaml"], capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (out / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, out / f)
+    return out
+
+
+def test_tree_id_from_files_equals_git(head_copy, tmp_path):
+    want = _worktree_src_tree(tmp_path)
+    assert prov.tree_id(head_copy / "src") == want
+    # a stray __pycache__ does not count (git ignores it)
+    (head_copy / "src" / "speculators_compat" / "__pycache__").mkdir(exist_ok=True)
+    (head_copy / "src" / "speculators_compat" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert prov.tree_id(head_copy / "src") == want
+    # and a changed byte does
+    target = head_copy / "src" / "speculators_compat" / "settings.py"
+    target.write_text(target.read_text() + "#")
+    assert prov.tree_id(head_copy / "src") != want
+
+
+def _provenance_in(copy: Path) -> dict:
+    code = "import json; from speculators_compat.testing.provenance import provenance; print(json.dumps(provenance('t')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy / "src")}, cwd=copy)
+    return json.loads(out.stdout)
+
+
+def test_copy_without_git_binds_to_the_stamped_commit_and_notices_a_change(head_copy, tmp_path):
+    want = _worktree_src_tree(tmp_path)
+    # no stamp: never bound to a commit
+    p = _provenance_in(head_copy)
+    assert p["commit"] is None and p["src_tree"] is None and ".checkout.json" in p["reason"]
+    (head_copy / prov.STAMP).write_text(json.dumps({
+        "commit": _git("rev-parse", "HEAD"), "src_tree": want,
+        "matrix_sha256": None}))
+    p = _provenance_in(head_copy)
+    assert p["dirty"] is False and p["src_tree"] == want and p["src_tree_from"] == "files", p
+    target = head_copy / "src" / "speculators_compat" / "settings.py"
+    target.write_text(target.read_text() + "\n# edited on the device\n")
+    p = _provenance_in(head_copy)
+    assert p["dirty"] is True and p["src_tree"] != want, p
+    shutil.rmtree(head_copy)
