@@ -13,7 +13,6 @@ speculators release). Absolute paths are not written: the command names ``--env-
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -24,10 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _git(*a: str) -> str:
-    return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+sys.path.insert(0, str(ROOT / "src"))
+from speculators_compat.testing.provenance import provenance, scrub_paths  # noqa: E402
 
 
 def main() -> int:
@@ -55,14 +52,8 @@ def main() -> int:
         "wall_seconds": round(wall, 1),
         "command": f"cd $(mktemp -d) && PYTHONPATH={pypath} <{args.env_label}>/bin/python -m speculators_compat check --json",
         "check": check,
-        "stderr_tail": "\n".join(l for l in proc.stderr.splitlines()[-5:] if "/work/" not in l and "/root/" not in l),
-        "provenance": {
-            "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--", "src", "compat_matrix.yaml")),
-            "src_tree": _git("rev-parse", "HEAD:src"),
-            "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "gpu": False},
-        },
+        "stderr_tail": scrub_paths("\n".join(proc.stderr.splitlines()[-5:])),
+        "provenance": {**provenance(), "host_detail": {"machine": platform.machine(), "cpus": os.cpu_count(), "gpu": False}},
     }
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{args.out}: exit {proc.returncode} ({check.get('verdict')}) in {wall:.0f} s")

@@ -65,7 +65,7 @@ if [[ " $STEPS " == *" v1 "* ]]; then
 fi
 if [[ " $STEPS " == *" faults "* ]]; then
   echo "== fault battery on the GPU (Ctrl-C at every reply read, lost rows, worker exception, ...)"
-  PYTHONPATH=$PWD/src:/tmp/spec-0.4.0.1:$SITE timeout 400 python3 -m speculators_compat.testing.fault_runner --fault recover \
+  PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 400 python3 -m speculators_compat.testing.fault_runner --fault recover \
     --timeout 60 --out "$OUT/faults_recover_h200.json" > "$OUT/faults_recover_h200.log" 2>&1; echo "faults rc=$?"
 fi
 if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then

@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(argv[1:])
     args = parser.parse_args(argv)
+    if args.command in ("report", "check"):
+        try:  # a bad SPECULATORS_COMPAT_PATCHES (left quiet at the import of this command): one line, exit 3
+            speculators_compat.activate()
+        except ValueError as exc:
+            return _cannot(args.command, exc)
     if args.command == "report":
         try:
             return cmd_report(args)

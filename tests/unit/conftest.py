@@ -21,7 +21,18 @@ def fake_modules(tmp_path, monkeypatch):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No SPECULATORS_COMPAT_* variables from the outer environment (restored afterwards)."""
+    """No SPECULATORS_COMPAT_* variables from the outer environment; afterwards exactly the outer
+    ones again (activate() writes STRICT/PATCHES to os.environ itself, which monkeypatch cannot
+    see: without this, a test's selection leaked into later tests)."""
+    outer = {k: v for k, v in os.environ.items() if k.startswith("SPECULATORS_COMPAT_")}
+    yield from _clean_env(monkeypatch)
+    for key in [k for k in os.environ if k.startswith("SPECULATORS_COMPAT_")]:
+        if key not in outer:
+            del os.environ[key]
+    os.environ.update(outer)
+
+
+def _clean_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith("SPECULATORS_COMPAT_"):
             monkeypatch.delenv(key)
@@ -32,4 +43,4 @@ def clean_env(monkeypatch):
         "SPECULATORS_COMPAT_MATRIX",
     ):
         monkeypatch.delenv(key, raising=False)
-    return monkeypatch
+    yield monkeypatch

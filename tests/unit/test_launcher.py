@@ -111,7 +111,7 @@ def test_run_chains_to_the_environments_own_sitecustomize(tmp_path):
 
 
 def test_run_honours_disable(tmp_path):
-    code = "import sys, speculators_compat; print(speculators_compat._activation_requested)"
+    code = "import sys, speculators_compat; print(speculators_compat._STATE.requested)"
     done = _run("run", sys.executable, "-c", code, SPECULATORS_COMPAT_DISABLE="1")
     assert done.stdout.split() == ["False"], done.stdout + done.stderr
 
