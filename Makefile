@@ -20,14 +20,14 @@ SWEEP_JOBS ?= 1
 SWEEP_ARCHS ?= llama,qwen3
 SWEEP_PAIRS ?=
 
-.PHONY: demo test unit bed-tools dev bench sweep train-check
+.PHONY: demo test unit bed-tools dev bench sweep train-check dist-check
 
 bed-tools:
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
 
 dev: bed-tools
 	@test -x .venv/bin/python || uv venv -q --python "$$(command -v $(PY))" .venv
-	@uv pip install -q --python .venv/bin/python -e . pytest
+	@uv pip install -q --python .venv/bin/python -e . pytest twine
 
 demo: bed-tools
 	@PYBIN=$$($(PY) scripts/bed.py python $(DEMO_PAIR)) && \
@@ -38,6 +38,12 @@ demo: bed-tools
 unit: dev
 	.venv/bin/python -m pytest tests/unit -q
 	.venv/bin/python scripts/update_tested.py --check
+	.venv/bin/python scripts/check_dist.py
+
+# the runtime wheel, the sdist and the test bed's wheel build, pass `twine check`, and the runtime
+# wheel holds no test code
+dist-check: dev
+	.venv/bin/python scripts/check_dist.py
 
 test: unit
 	@set -e; for pair in $(TEST_PAIRS); do \

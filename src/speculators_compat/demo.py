@@ -18,9 +18,17 @@ def _say(msg: str) -> None:
 
 
 def run_demo(args) -> int:
-    from .testing import e2e_runner
-
     import importlib.util
+
+    try:
+        from .testing import e2e_runner
+    except ImportError:
+        print(
+            "speculators-compat demo: the test bed (speculators_compat.testing) is not installed: it ships as "
+            "speculators-compat-testing (testbed/ in the repository); from a checkout, `make demo` builds it",
+            file=sys.stderr,
+        )
+        return 3
 
     missing = [m for m in ("vllm", "speculators", "torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
