@@ -801,7 +801,8 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
     bad = [m for m, r in imports.items() if not r["ok"]]
     log(f"built {env.name} in {install_s:.0f}s, {size / 1e9:.1f} GB (du), torch "
         f"{versions.get('torch')}, transformers {versions.get('transformers')}"
-        + (f"; import failed: {', '.join(bad)}" if bad else ""))
+        + (f"; usable with the shim (without it, {', '.join(bad)} fails to import: what the shim fixes)"
+           if bad else ""))
 
 
 # --------------------------------------------------------------------------- CLI
