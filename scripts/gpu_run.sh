@@ -98,9 +98,10 @@ if [[ " $STEPS " == *" kimi "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
-  # three engines on one GPU: the generator (KV 30 GB), vLLM's LLM, and vLLM's own extraction (0.22 each)
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=30000000000 BENCH_GPU_UTIL=0.22 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
-    --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --vllm-extract --out "$OUT/throughput_h200.json" \
+  # four engines on one GPU: the generator (KV 20 GB), the 1-layer capture control (the same), vLLM's LLM
+  # and vLLM's own extraction (0.2 each)
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 BENCH_GPU_UTIL=0.2 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+    --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --vllm-extract --capture-control --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 fi
