@@ -86,10 +86,14 @@ def run(out_json: Path, work: Path) -> dict:
     from speculators_compat.testing import tiny_models
     from speculators_compat.versions import installed_versions
 
+    from speculators_compat.testing.provenance import provenance
+
+    prov = provenance()
     model = str(tiny_models.build_tiny_model("llama"))
     shards = _shards()
     cores = os.cpu_count() or 1
     result: dict = {
+        "provenance": prov,
         "what": "dataparallel.extract (2 Ray actors) vs one generator (extract_local), same shards and batches",
         "versions": {k: v.version for k, v in installed_versions().items()},
         "layer_ids": LAYER_IDS,
