@@ -24,6 +24,17 @@ export OUT=${OUT:-$SCRATCH/out}; mkdir -p "$OUT"
 # .gpu26/build.sh from ../shared/gpu/build.sh with the version changed) and its install folder
 B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
 exec > >(tee "$OUT/gpu_run.log") 2>&1
+# Provenance: the device's copy of the checkout may hold a .git of an older commit (the work tree
+# is ours, its history is not). When .checkout.json (python -m speculators_compat.testing.provenance
+# --stamp, here before the call) names a commit that .git lacks, that .git is moved aside for the
+# run, so provenance hashes src/ from the files and binds the result to the stamped commit.
+if [ -f .checkout.json ] && [ -d .git ]; then
+  stamped=$(python3 -c 'import json; print(json.load(open(".checkout.json"))["commit"])')
+  if ! git cat-file -e "$stamped^{commit}" 2>/dev/null; then
+    mv .git .git-device && trap 'mv .git-device .git' EXIT
+    echo "provenance: .git lacks the stamped commit ${stamped:0:10}: moved aside for this run"
+  fi
+fi
 STEPS=${GPU_STEPS:-e2e bench}
 echo "== host"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
 if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
