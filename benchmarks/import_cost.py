@@ -43,7 +43,12 @@ def main() -> int:
         [sys.executable, "-c", "import sys, speculators_compat; print(sorted(m for m in ('torch','vllm','speculators','transformers') if m in sys.modules))"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    from speculators_compat.testing.provenance import provenance
+
     res = {
+        "provenance": provenance(),
+        "machine_load_1min": os.getloadavg()[0],
         "python": sys.version.split()[0],
         "runs": args.runs,
         "bare_median_ms": statistics.median(bare) * 1e3,

@@ -516,9 +516,9 @@ def gate_modules(spec: str, vllm: str, self_installed: bool, extras: list[str]) 
     if vllm != "none":
         mods.append("vllm")
     if spec != "none":
-        mods += ["speculators", "speculators.data_generation"]
-        if vllm != "none":
-            mods.append("speculators.data_generation.vllm_hidden_states_generator")
+        mods.append("speculators")
+        if vllm != "none":  # speculators.data_generation imports vLLM (an env for training has none)
+            mods += ["speculators.data_generation", "speculators.data_generation.vllm_hidden_states_generator"]
     return mods + [e.split("=")[0].split("<")[0].split(">")[0] for e in extras if e in TEST_TOOLS]
 
 
@@ -618,8 +618,10 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
                 return env / "bin" / "python"
             log(f"adding {missing} to {env}")
             with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as cf:
-                cf.write(runner.run("freeze", [uv, "pip", "freeze", "--python",
-                                               str(env / "bin" / "python")]).stdout)
+                frozen = runner.run("freeze", [uv, "pip", "freeze", "--python", str(env / "bin" / "python")]).stdout
+                # pins only: an editable or URL requirement (this checkout) is refused as a constraint
+                cf.write("\n".join(ln for ln in frozen.splitlines()
+                                   if ln.strip() and not ln.startswith("-e ") and " @ " not in ln) + "\n")
             try:
                 runner.run("extras", [uv, "pip", "install", "--python", str(env / "bin" / "python"),
                                       "--constraint", cf.name, *missing])

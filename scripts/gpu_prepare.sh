@@ -10,7 +10,7 @@ mkdir -p .gpu
 W=.gpu/bundle/whl
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d $W \
-  "wrapt==2.5.2" "loguru==0.7.3" 2>&1 | grep -v "is ignored" || true
+  "wrapt==2.5.2" "loguru==0.7.3" "compressed-tensors" 2>&1 | grep -v "is ignored" || true
 rm -f $W/speculators_compat-*.whl
 uv build -q --wheel -o $W . 2>/dev/null || python3 -m pip wheel -q --no-deps -w $W .
 mkdir -p .gpu/spec

@@ -155,5 +155,6 @@ if [[ " $STEPS " == *" nopin "* ]]; then
     > "$OUT/throughput_h200_nopin.log" 2>&1; echo "bench nopin rc=$?"
 fi
 echo "total $(( $(date +%s) - t0 ))s"
-# the device tool returns at most 8 files: keep the JSONs, pack the logs
-(cd "$OUT" && tar czf logs.tgz *.log && rm -f e2e_*.log throughput_*.log)
+# the device tool returns at most 8 files (in name order): the logs packed first ("0_logs.tgz", so a
+# failed cell's log always comes back), then the JSONs
+(cd "$OUT" && tar czf 0_logs.tgz *.log && rm -f *.log)

@@ -8,7 +8,6 @@ result with provenance (commit, dirty, src tree, date, command, host), machine p
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -20,10 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _git(*a: str) -> str:
-    return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+sys.path.insert(0, str(ROOT / "src"))
+from speculators_compat.testing.provenance import provenance  # noqa: E402
 
 
 def _scrub(obj):
@@ -63,22 +60,17 @@ def main() -> int:
     labels = args.pythonpath_label + [f"x{i}" for i in range(len(args.pythonpath_extra) - len(args.pythonpath_label))]
     pypath = ":".join([f"<{l}>" for l in labels] + [args.src_label])
     envs = " ".join(f"{k}={v}" for k, v in extra_env.items())
+    command = (f"cd $(mktemp -d) && PYTHONPATH={pypath} {envs} <{args.env_label}>/bin/python -m "
+               f"speculators_compat.testing.e2e_runner {' '.join(runner)} --out result.json")
     record = {
         "env": args.env_label,
         "exit_code": proc.returncode,
         "passed": bool(cell and cell.get("passed")),
         "wall_seconds": round(wall, 1),
-        "command": f"cd $(mktemp -d) && PYTHONPATH={pypath} {envs} <{args.env_label}>/bin/python -m "
-                   f"speculators_compat.testing.e2e_runner {' '.join(runner)} --out result.json",
+        "command": command,
         "cell": _scrub(cell),
         "stderr_tail": _scrub("\n".join(proc.stderr.splitlines()[-15:])) if not (cell and cell.get("passed")) else "",
-        "provenance": {
-            "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--", "src", "compat_matrix.yaml")),
-            "src_tree": _git("rev-parse", "HEAD:src"),
-            "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "gpu": False},
-        },
+        "provenance": {**provenance(command), "host_detail": {"machine": platform.machine(), "cpus": os.cpu_count(), "gpu": False}},
     }
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{args.out}: exit {proc.returncode}, passed {record['passed']}, {wall:.0f} s")
