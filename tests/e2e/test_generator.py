@@ -102,3 +102,24 @@ def test_tensor_parallel_2_agrees_with_hf(tmp_path, monkeypatch):
         case = r["cases"][name]
         assert case["shapes_ok"] and case["passed"], f"{name}: {case['summary']}"
     assert r["cases"]["repeat"]["identical"]
+
+
+def test_internals_off_fails_at_a_vllm_call_site(tmp_path):
+    """#14 item 4: with the import/platform patches on and every vLLM-internals patch off, the
+    generator must fail at a call from speculators' code into vLLM (not at import, not on a CPU
+    device query): that is what the internals patches are for on this pair."""
+    import internals_control as ic
+
+    out = tmp_path / "internals_off.json"
+    r = ic.run_control(sys.executable, out)
+    c = r["control"]
+    assert c["error"], "the generator ran with every vLLM-internals patch off: the control does not bite here"
+    assert c["call_site"], f"no speculators -> vLLM frame in the failure: {c['error']}\n{r['error']['traceback'][-3000:]}"
+    assert c["call_site"]["vllm"].startswith("vllm/"), c["call_site"]
+    # the finder can fail: an import-time failure (the plain unpatched control) names no such call
+    assert ic.call_site('File "x/site-packages/speculators/__init__.py", line 1, in <module>\n') is None
+    results_dir = os.environ.get("SPECULATORS_COMPAT_RESULTS")
+    if results_dir:
+        v = r["versions"]
+        Path(results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(results_dir) / f"spec-{v['speculators']}_vllm-{v['vllm']}_internals_off.json").write_text(out.read_text())

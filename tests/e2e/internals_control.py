@@ -1,0 +1,110 @@
+"""Negative control that bites where it matters: the vLLM-internals patches off, the rest on.
+
+The plain unpatched control (``e2e_runner --unpatched``) often dies at ``import speculators``
+(transformers 5) or at a CPU device query: artefacts of the platform, not evidence that the
+patches of vLLM's internals are needed. This control keeps the import, platform, executor and
+speculators-script patches and leaves out every patch of the families that touch vLLM's
+internals (config, kv-cache, scheduler-request, execution, layer-calling), then records the
+first call from speculators' generator into vLLM that fails.
+
+    python tests/e2e/internals_control.py [--pairs 0.3.0:0.16.0,...] [--out-dir benchmarks/results/controls]
+
+runs the control on every test-bed pair (``noxfile.PAIRS``), writes one JSON per pair (the
+runner's result, with its provenance, plus ``call_site``) and ``SUMMARY.md``.
+``tests/e2e/test_generator.py::test_internals_off_fails_at_a_vllm_call_site`` runs it on the pair
+of the env it runs in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+INTERNALS_FAMILIES = ("config", "kv-cache", "scheduler-request", "execution", "layer-calling")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def selection() -> str:
+    """``SPECULATORS_COMPAT_PATCHES`` leaving out every patch of the internals families."""
+    from speculators_compat.patches import all_patches
+
+    return ",".join(f"-{p.id}" for p in all_patches() if p.family in INTERNALS_FAMILIES)
+
+
+def _area(path: str) -> str | None:
+    for pkg in ("speculators_compat", "speculators", "vllm"):
+        if f"/{pkg}/" in path or path.startswith(f"{pkg}/") or path.startswith(f"src/{pkg}/"):
+            return pkg
+    return None
+
+
+def call_site(traceback_text: str) -> dict | None:
+    """The first frame of speculators' own code whose next frame is inside vLLM: where
+    speculators calls vLLM and it fails (None when the traceback has no such pair)."""
+    frames = [(m.group(1), int(m.group(2)), m.group(3)) for m in _FRAME.finditer(traceback_text or "")]
+    for (path, line, func), nxt in zip(frames, frames[1:]):
+        if _area(path) == "speculators" and _area(nxt[0]) == "vllm":
+            short = lambda p: p.split("site-packages/", 1)[-1]  # noqa: E731
+            return {"speculators": f"{short(path)}:{line} in {func}",
+                    "vllm": f"{short(nxt[0])}:{nxt[1]} in {nxt[2]}"}
+    return None
+
+
+def run_control(python: str, out: Path, arch: str = "llama", timeout: int = 1200) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SPECULATORS_COMPAT_PATCHES": selection()}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([python, "-m", "speculators_compat.testing.e2e_runner", "--arch", arch, "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=str(out.parent))
+    if not out.exists():
+        raise RuntimeError(f"runner wrote no result (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    result = json.loads(out.read_text())
+    err = result.get("error") or {}
+    result["control"] = {"what": "vLLM-internals patches off (families: " + ", ".join(INTERNALS_FAMILIES) + "), the rest on",
+                         "patches_env": selection(),
+                         "call_site": call_site(err.get("traceback", "")),
+                         "error": f"{err.get('type')}: {(err.get('message') or '').splitlines()[0][:300]}" if err else None}
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> int:
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sweep  # noqa: E402 - noxfile.PAIRS, read without nox
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", default="")
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results" / "controls"))
+    args = ap.parse_args()
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",") if p] or sweep.nox_pairs()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec, vllm in pairs:
+        py = subprocess.run([sys.executable, str(ROOT / "scripts" / "bed.py"), "python", "--speculators", spec, "--vllm", vllm],
+                            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        out = out_dir / f"spec-{spec}_vllm-{vllm}_internals_off.json"
+        r = run_control(py, out)
+        c = r["control"]
+        site = c["call_site"]
+        rows.append(f"| {spec} | {vllm} | {c['error'] or 'ran without error'} | "
+                    + (f"`{site['speculators']}` → `{site['vllm']}`" if site else "—") + " |")
+        print(rows[-1], flush=True)
+    (out_dir / "SUMMARY.md").write_text(
+        "# vLLM-internals patches off, the rest on (tests/e2e/internals_control.py)\n\n"
+        "Each pair's generator with the import, platform, executor and speculators-script patches on and\n"
+        "every patch of the families " + ", ".join(INTERNALS_FAMILIES) + " off; the first call from\n"
+        "speculators' generator into vLLM that fails. One JSON per pair beside this file (with provenance).\n\n"
+        "| speculators | vLLM | error | first failing call: speculators → vLLM |\n| --- | --- | --- | --- |\n"
+        + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
