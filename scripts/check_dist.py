@@ -22,7 +22,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="keep the built files here (default: a temporary folder)")
     args = ap.parse_args()
+    temporary = args.out is None
     out = Path(args.out or tempfile.mkdtemp(prefix="dist-check-"))
+    try:
+        return _check(out)
+    finally:
+        if temporary:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _check(out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("speculators_compat*")):  # only this build's artefacts are checked
+        stale.unlink()
     uv = shutil.which("uv")
     if uv is None:
         print("check_dist: uv not found (pip install uv)", file=sys.stderr)
@@ -41,7 +53,8 @@ def main() -> int:
     else:
         names = zipfile.ZipFile(runtime[-1]).namelist()
         for needed in ("speculators_compat/__init__.py", "speculators_compat/compat_matrix.yaml",
-                       "speculators_compat/extraction/driver.py", "speculators_compat_auto.pth"):
+                       "speculators_compat/extraction/driver.py", "speculators_compat_auto.pth",
+                       "_speculators_compat_pth.py"):
             if needed not in names:
                 problems.append(f"runtime wheel lacks {needed}")
         leaked = [n for n in names if n.startswith("speculators_compat/testing/")]
@@ -51,6 +64,12 @@ def main() -> int:
         for needed in ("speculators_compat/testing/e2e_runner.py", "speculators_compat/testing/tiny_models.py"):
             if needed not in bed:
                 problems.append(f"test-bed wheel lacks {needed}")
+        import re
+
+        version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+        pin = re.search(r'"speculators-compat==([^"]+)"', (ROOT / "testbed" / "pyproject.toml").read_text())
+        if not pin or pin.group(1) != version:
+            problems.append(f"testbed/pyproject.toml must pin speculators-compat=={version} (found {pin.group(1) if pin else 'none'})")
         if any(n.startswith("speculators_compat/") and not n.startswith("speculators_compat/testing/") for n in bed):
             problems.append("test-bed wheel holds runtime modules (it must only add speculators_compat/testing/)")
         twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, runtime + sdist + testbed)],

@@ -2,7 +2,8 @@
 # Everything the GPU issue asks for, in one device call (H200, CUDA vLLM 0.24 from the bundle).
 #
 # Here (CPU machine), once:   bash scripts/gpu_prepare.sh        # .gpu/bundle + our wheels
-# Then one device call:       command "bash scripts/gpu_run.sh", carry [".gpu"]
+# Then:                       python -m speculators_compat.testing.provenance --stamp
+# and one device call:        command "bash scripts/gpu_run.sh", carry [".gpu", ".checkout.json"]
 # Results land in $OUT (copied back); commit them under benchmarks/results/gpu/.
 #
 # The checkout's src/ comes first on PYTHONPATH (the installed wheel supplies the vllm.general_plugins
@@ -26,13 +27,14 @@ B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 # Provenance: the device's copy of the checkout may hold a .git of an older commit (the work tree
 # is ours, its history is not). When .checkout.json (python -m speculators_compat.testing.provenance
-# --stamp, here before the call) names a commit that .git lacks, that .git is moved aside for the
-# run, so provenance hashes src/ from the files and binds the result to the stamped commit.
+# --stamp, here before the call) names a commit other than that .git's HEAD, that .git is moved
+# aside for the run, so provenance hashes src/ from the files and binds the result to the stamp.
+if [ -d .git-device ] && [ ! -e .git ]; then mv -T .git-device .git; fi  # an earlier run cut off before its trap
 if [ -f .checkout.json ] && [ -d .git ]; then
   stamped=$(python3 -c 'import json; print(json.load(open(".checkout.json"))["commit"])')
-  if ! git cat-file -e "$stamped^{commit}" 2>/dev/null; then
-    mv .git .git-device && trap 'mv .git-device .git' EXIT
-    echo "provenance: .git lacks the stamped commit ${stamped:0:10}: moved aside for this run"
+  if [ "$(git rev-parse HEAD 2>/dev/null)" != "$stamped" ]; then
+    rm -rf .git-device && mv -T .git .git-device && trap 'mv -T .git-device .git' EXIT
+    echo "provenance: the device's .git is not at the stamped commit ${stamped:0:10}: moved aside for this run"
   fi
 fi
 STEPS=${GPU_STEPS:-e2e bench}

@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("runner_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     runner = [a for a in args.runner_args if a != "--"]
+    python = os.path.abspath(args.python)  # the runner starts in a temporary folder
     extra_env = dict(kv.split("=", 1) for kv in args.env)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECULATORS_COMPAT_")}
     env.update(extra_env)
@@ -53,7 +54,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as cwd:
         result = Path(cwd) / "result.json"
         started = time.perf_counter()
-        proc = subprocess.run([args.python, "-m", "speculators_compat.testing.e2e_runner", *runner, "--out", str(result)],
+        proc = subprocess.run([python, "-m", "speculators_compat.testing.e2e_runner", *runner, "--out", str(result)],
                               cwd=cwd, env=env, capture_output=True, text=True, timeout=3000)
         wall = time.perf_counter() - started
         cell = json.loads(result.read_text()) if result.is_file() else None

@@ -45,9 +45,12 @@ def _area(path: str) -> str | None:
 
 def call_site(traceback_text: str) -> dict | None:
     """The first frame of speculators' own code whose next frame is inside vLLM: where
-    speculators calls vLLM and it fails (None when the traceback has no such pair)."""
+    speculators calls vLLM and it fails (None when the traceback has no such pair). Module-level
+    frames (``<module>``: an import) do not count: a failing import is not a call into vLLM."""
     frames = [(m.group(1), int(m.group(2)), m.group(3)) for m in _FRAME.finditer(traceback_text or "")]
     for (path, line, func), nxt in zip(frames, frames[1:]):
+        if "<module>" in (func, nxt[2]):
+            continue
         if _area(path) == "speculators" and _area(nxt[0]) == "vllm":
             short = lambda p: p.split("site-packages/", 1)[-1]  # noqa: E731
             return {"speculators": f"{short(path)}:{line} in {func}",
@@ -56,8 +59,10 @@ def call_site(traceback_text: str) -> dict | None:
 
 
 def run_control(python: str, out: Path, arch: str = "llama", timeout: int = 1200) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SPECULATORS_COMPAT_PATCHES": selection()}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "SPECULATORS_COMPAT_PATCHES": selection()}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out.unlink(missing_ok=True)  # never read an earlier run's result as this one's
     proc = subprocess.run([python, "-m", "speculators_compat.testing.e2e_runner", "--arch", arch, "--out", str(out)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=str(out.parent))
     if not out.exists():
@@ -67,7 +72,8 @@ def run_control(python: str, out: Path, arch: str = "llama", timeout: int = 1200
     result["control"] = {"what": "vLLM-internals patches off (families: " + ", ".join(INTERNALS_FAMILIES) + "), the rest on",
                          "patches_env": selection(),
                          "call_site": call_site(err.get("traceback", "")),
-                         "error": f"{err.get('type')}: {(err.get('message') or '').splitlines()[0][:300]}" if err else None}
+                         "error": (f"{err.get('type')}: " + next(iter((err.get("message") or "").splitlines()), "(no message)")[:300])
+                                  if err else None}
     out.write_text(json.dumps(result, indent=2))
     return result
 

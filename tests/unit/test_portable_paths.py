@@ -18,8 +18,9 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOTS = ("work", "root", "home", "tmp", "scratch")
-# an absolute path starts a token: line start, whitespace, a quote, =, (, :, [, {, <, >, a comma
-ABS_PATH = re.compile(r"(?:^|(?<=[\s\"'`=(:\[{<>,]))/(?:" + "|".join(ROOTS) + r")(?=/[^\s/])",
+# an absolute path starts a token: line start, whitespace, a quote, =, (, :, [, {, <, >, a comma,
+# or an escaped newline/tab inside a JSON string ("...\\n" then the path)
+ABS_PATH = re.compile(r"(?:^|(?<=[\s\"'`=(:\[{<>,])|(?<=\\n)|(?<=\\t))/(?:" + "|".join(ROOTS) + r")(?=/[^\s/])",
                       re.MULTILINE)
 SHELL_DEFAULT = re.compile(r"\$\{\w+:-/(?:" + "|".join(ROOTS) + r")\b")
 SKIP_SUFFIXES = {".png", ".jpg", ".pt", ".xz", ".gz", ".whl", ".so"}
