@@ -51,11 +51,24 @@ def call_site(traceback_text: str) -> dict | None:
     for (path, line, func), nxt in zip(frames, frames[1:]):
         if "<module>" in (func, nxt[2]):
             continue
-        if _area(path) == "speculators" and _area(nxt[0]) == "vllm":
-            short = lambda p: p.split("site-packages/", 1)[-1]  # noqa: E731
-            return {"speculators": f"{short(path)}:{line} in {func}",
-                    "vllm": f"{short(nxt[0])}:{nxt[1]} in {nxt[2]}"}
+        if _area(path) != "speculators":
+            continue
+        here = f"{_short(path)}:{line} in {func}"
+        if _area(nxt[0]) == "vllm":
+            return {"speculators": here, "vllm": f"{_short(nxt[0])}:{nxt[1]} in {nxt[2]}"}
+        # vLLM's config classes are pydantic dataclasses: constructing one with arguments it does
+        # not accept fails inside pydantic, and the error names the vLLM class
+        validated = _VALIDATION.search(traceback_text)
+        if "/pydantic/" in nxt[0] and validated:
+            return {"speculators": here, "vllm": f"vllm config class {validated.group(1)} (pydantic validation)"}
     return None
+
+
+_VALIDATION = re.compile(r"validation errors? for (\w+Config)\b")
+
+
+def _short(path: str) -> str:
+    return path.split("site-packages/", 1)[-1]
 
 
 def run_control(python: str, out: Path, arch: str = "llama", timeout: int = 1200) -> dict:
@@ -87,16 +100,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", default="")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results" / "controls"))
+    ap.add_argument("--summarize", action="store_true",
+                    help="no runs: re-derive call_site from each JSON's recorded traceback and rewrite SUMMARY.md")
     args = ap.parse_args()
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",") if p] or sweep.nox_pairs()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for spec, vllm in pairs:
-        py = subprocess.run([sys.executable, str(ROOT / "scripts" / "bed.py"), "python", "--speculators", spec, "--vllm", vllm],
-                            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        py = None if args.summarize else subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "bed.py"), "python", "--speculators", spec, "--vllm", vllm],
+            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         out = out_dir / f"spec-{spec}_vllm-{vllm}_internals_off.json"
-        r = run_control(py, out)
+        if args.summarize:
+            if not out.exists():
+                continue
+            r = json.loads(out.read_text())
+            r["control"]["call_site"] = call_site((r.get("error") or {}).get("traceback", ""))
+            out.write_text(json.dumps(r, indent=2))
+        else:
+            r = run_control(py, out)
         c = r["control"]
         site = c["call_site"]
         rows.append(f"| {spec} | {vllm} | {c['error'] or 'ran without error'} | "

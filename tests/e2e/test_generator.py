@@ -115,7 +115,7 @@ def test_internals_off_fails_at_a_vllm_call_site(tmp_path):
     c = r["control"]
     assert c["error"], "the generator ran with every vLLM-internals patch off: the control does not bite here"
     assert c["call_site"], f"no speculators -> vLLM frame in the failure: {c['error']}\n{r['error']['traceback'][-3000:]}"
-    assert c["call_site"]["vllm"].startswith("vllm/"), c["call_site"]
+    assert c["call_site"]["vllm"].startswith(("vllm/", "vllm config class ")), c["call_site"]
     # the finder can fail: a failing import (speculators' module importing vLLM) names no call site
     import_tb = ('File "e/site-packages/speculators/data_generation/x.py", line 3, in <module>\n'
                  'File "e/site-packages/vllm/v1/core/kv_cache_utils.py", line 9, in <module>\n')
