@@ -20,17 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from speculators_compat.testing.provenance import provenance  # noqa: E402
-
-
-def _scrub(obj):
-    if isinstance(obj, dict):
-        return {k: _scrub(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_scrub(v) for v in obj]
-    if isinstance(obj, str):
-        return re.sub(r"/(work|root|tmp|home)/[^\s'\",)]*", "<path>", obj)
-    return obj
+from speculators_compat.testing.provenance import provenance, scrub_paths  # noqa: E402
 
 
 def main() -> int:
@@ -69,8 +59,8 @@ def main() -> int:
         "passed": bool(cell and cell.get("passed")),
         "wall_seconds": round(wall, 1),
         "command": command,
-        "cell": _scrub(cell),
-        "stderr_tail": _scrub("\n".join(proc.stderr.splitlines()[-15:])) if not (cell and cell.get("passed")) else "",
+        "cell": scrub_paths(cell),
+        "stderr_tail": scrub_paths("\n".join(proc.stderr.splitlines()[-15:])) if not (cell and cell.get("passed")) else "",
         "provenance": {**provenance(command), "host_detail": {"machine": platform.machine(), "cpus": os.cpu_count(), "gpu": False}},
     }
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
