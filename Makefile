@@ -5,7 +5,7 @@ PY ?= python3
 DEMO_PAIR ?= --speculators 0.4.0.1 --vllm 0.32.0
 # (speculators, vLLM) pairs the test target runs contract + e2e on
 TEST_PAIRS ?= 0.3.0:0.16.0 0.4.0.1:0.32.0
-E2E_ARCHS ?= llama,qwen3
+E2E_ARCHS ?= llama,qwen3,mistral
 export UV_CONSTRAINT :=
 export PIP_CONSTRAINT :=
 

@@ -96,7 +96,8 @@ def cmd_report(args) -> int:
 def _cannot(command: str, exc: BaseException) -> int:
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0][:300]}" if text else f"{type(exc).__name__} (no message)"
-    print(f"speculators-compat {command}: cannot {'check' if command == 'check' else 'report'}: {line}", file=sys.stderr)
+    verb = {"check": "check", "report": "report", "demo": "run the demo"}.get(command, command)
+    print(f"speculators-compat {command}: cannot {verb}: {line}", file=sys.stderr)
     return 3
 
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(argv[1:])
     args = parser.parse_args(argv)
-    if args.command in ("report", "check"):
+    if args.command in ("report", "check", "demo"):
         try:  # a bad SPECULATORS_COMPAT_PATCHES (left quiet at the import of this command): one line, exit 3
             speculators_compat.activate()
         except ValueError as exc:

@@ -2,7 +2,7 @@
 
 Each cell runs ``speculators_compat.testing.e2e_runner`` in a fresh process (CPU vLLM spawns
 its workers; a fresh process also keeps the unpatched baseline free of the shim). Which
-architectures: ``SPECULATORS_COMPAT_E2E_ARCHS`` (comma-separated; default ``llama,qwen3``).
+architectures: ``SPECULATORS_COMPAT_E2E_ARCHS`` (comma-separated; default ``llama,qwen3,mistral``: Mistral runs a 256-token sliding window, another attention path).
 Results are also written to ``SPECULATORS_COMPAT_RESULTS`` (a folder) when set, for
 ``scripts/update_tested.py``.
 """
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm")
 pytest.importorskip("speculators")
 
-ARCHS = [a for a in os.environ.get("SPECULATORS_COMPAT_E2E_ARCHS", "llama,qwen3").split(",") if a]
+ARCHS = [a for a in os.environ.get("SPECULATORS_COMPAT_E2E_ARCHS", "llama,qwen3,mistral").split(",") if a]
 TIMEOUT = int(os.environ.get("SPECULATORS_COMPAT_E2E_TIMEOUT", "1200"))
 
 

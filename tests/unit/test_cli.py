@@ -138,7 +138,7 @@ def test_demo_uses_the_e2e_runners_own_options():
 # -- #16 item 5: an error of check/report itself is exit 3 with one line, never 1 with a traceback
 
 
-@pytest.mark.parametrize("command", ["check", "report"])
+@pytest.mark.parametrize("command", ["check", "report", "demo"])
 def test_an_unknown_patch_id_is_exit_3_with_one_line(command):
     proc = cli(command, SPECULATORS_COMPAT_PATCHES="-no-such-patch")
     assert proc.returncode == 3, proc

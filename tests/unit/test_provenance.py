@@ -81,3 +81,43 @@ def test_copy_without_git_binds_to_the_stamped_commit_and_notices_a_change(head_
     p = _provenance_in(head_copy)
     assert p["dirty"] is True and p["src_tree"] != want, p
     shutil.rmtree(head_copy)
+
+
+def _tiny_repo(path: Path) -> Path:
+    """A git repo with src/a.py (plain) and src/run.sh (executable), committed."""
+    import os
+
+    (path / "src").mkdir(parents=True)
+    (path / "src" / "a.py").write_text("x = 1\n")
+    run = path / "src" / "run.sh"
+    run.write_text("#!/bin/sh\necho hi\n")
+    run.chmod(0o755)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run(["git", "-C", str(path), *args], env=env, check=True, capture_output=True)
+    return path
+
+
+def test_tree_id_takes_the_owner_execute_bit_as_git_does(tmp_path):
+    repo = _tiny_repo(tmp_path / "r")
+    want = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD:src"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert prov.tree_id(repo / "src") == want
+    # group/other execute bits alone do not make git record 100755; the owner's does
+    (repo / "src" / "a.py").chmod(0o654)
+    assert prov.tree_id(repo / "src") == want
+    (repo / "src" / "a.py").chmod(0o744)
+    assert prov.tree_id(repo / "src") != want
+
+
+def test_stamp_describes_the_root_it_is_given(tmp_path):
+    repo = _tiny_repo(tmp_path / "r")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    written = json.loads(prov.stamp(repo).read_text())
+    assert written["commit"] == head  # not this checkout's HEAD
+    assert written["src_tree"] == prov.tree_id(repo / "src")
+    (repo / "src" / "a.py").write_text("x = 2\n")
+    with pytest.raises(RuntimeError, match="refusing to stamp"):
+        prov.stamp(repo)

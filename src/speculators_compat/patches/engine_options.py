@@ -13,6 +13,17 @@ settings. Two things need them (versions: compat_matrix.yaml):
 - ``SPECULATORS_COMPAT_ATTENTION_BACKEND`` (e.g. ``TRITON_ATTN``) selects the attention backend
   through ``VllmConfig.attention_config`` where that field exists — needed where a build lacks
   the default backend (e.g. a GPU install without FlashAttention).
+- ``CacheConfig.sliding_window`` (every release speculators supports, 0.11 to 0.33): vLLM's
+  engine (``EngineArgs.create_engine_config``) sets it from the model's ``sliding_window`` when
+  the model is all sliding window (no ``layer_types``, or every layer sliding; up to 0.31 the
+  rule is "not interleaved"), and an attention layer without a per-layer window takes it from
+  there. speculators' hand-built ``CacheConfig`` never sets it, so an all-sliding model
+  (Mistral-style ``sliding_window`` without ``layer_types``) runs FULL attention in the
+  generator: every row past the window comes out wrong, silently (measured: 0.66 relative on a
+  256-token window, every CPU pair; benchmarks/results/arch/). The wrapper derives the value as
+  the installed engine does — the rule is read off ``create_engine_config``'s own code — and
+  writes it on the hand-built ``CacheConfig`` before ``VllmConfig`` is built. Interleaved models
+  (Gemma 3, GPT-OSS) keep their per-layer windows and get none, as in vLLM's engine.
 
 ``cpu-rms-norm-native`` (its own patch, on ``_create_vllm_config``, since ``engine-options`` owns
 the ``VllmConfig`` name): vLLM 0.12 dropped the ``input.contiguous()`` in
@@ -48,7 +59,33 @@ def on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def engine_sliding_window(model_config) -> int | None:
+    """``CacheConfig.sliding_window`` as the installed ``EngineArgs.create_engine_config`` derives
+    it for ``model_config``: the model's window when every layer slides, else None."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    text_config = model_config.hf_text_config
+    if "is_interleaved" in _code_names(EngineArgs.create_engine_config):  # up to 0.31
+        from vllm.transformers_utils.config import is_interleaved
+
+        all_sliding = not is_interleaved(text_config)
+    else:  # 0.32+: no layer_types, or every layer sliding
+        layer_types = getattr(text_config, "layer_types", None)
+        all_sliding = layer_types is None or all(t == "sliding_attention" for t in layer_types)
+    return model_config.get_sliding_window() if all_sliding else None
+
+
+def _set_engine_sliding_window(kwargs) -> None:
+    cache_config, model_config = kwargs.get("cache_config"), kwargs.get("model_config")
+    if cache_config is None or model_config is None or getattr(cache_config, "sliding_window", None) is not None:
+        return
+    window = engine_sliding_window(model_config)
+    if window is not None:
+        cache_config.sliding_window = window
+
+
 def _vllm_config_options(wrapped, instance, args, kwargs):
+    _set_engine_sliding_window(kwargs)
     if not on_cpu():
         # The generator starts its workers itself (MultiprocExecutor); vLLM forks them unless
         # it sees CUDA initialised at that moment — but a caller that only asked
@@ -83,6 +120,19 @@ def _probe(current):
     compilation = import_attr("vllm.config", "CompilationConfig")
     if not accepts(compilation, "custom_ops"):
         return "expected CompilationConfig(custom_ops=...); not found"
+    problem = require_params(import_attr("vllm.config", "CacheConfig"), ("sliding_window",), "vllm.config.CacheConfig")
+    if problem:
+        return problem
+    if not callable(getattr(import_attr("vllm.config", "ModelConfig"), "get_sliding_window", None)):
+        return "expected ModelConfig.get_sliding_window(); not found"
+    create = getattr(import_attr("vllm.engine.arg_utils", "EngineArgs"), "create_engine_config", None)
+    if create is None:
+        return "expected EngineArgs.create_engine_config (the sliding-window rule is read off it); not found"
+    if "is_interleaved" in _code_names(create):
+        try:
+            import_attr("vllm.transformers_utils.config", "is_interleaved")
+        except (ImportError, AttributeError) as exc:
+            return f"expected vllm.transformers_utils.config.is_interleaved (create_engine_config uses it); not found ({exc})"
     return None
 
 

@@ -158,6 +158,21 @@ def _merged_spec_rpc(executor, rpc):
     return collective_rpc
 
 
+def _keep_own(items, names_attr: str, mine: set) -> list:
+    """Copies of ``items`` (KV-cache groups or tensors) whose ``names_attr`` list keeps only the
+    layers in ``mine``; items with none of them left out."""
+    import copy
+
+    out = []
+    for item in items:
+        names = [n for n in getattr(item, names_attr) if n in mine]
+        if names:
+            kept = copy.copy(item)
+            setattr(kept, names_attr, names)
+            out.append(kept)
+    return out
+
+
 def per_rank_configs(config, stage_specs: list[dict]):
     """One KV-cache config per global rank from a config over every stage's layers: each keeps
     the groups and tensors of its own layers (vLLM's engine core gives each worker its own)."""
@@ -167,20 +182,8 @@ def per_rank_configs(config, stage_specs: list[dict]):
     for spec in stage_specs:
         mine = set(spec)
         c = copy.copy(config)
-        groups = []
-        for g in config.kv_cache_groups:
-            names = [n for n in g.layer_names if n in mine]
-            if names:
-                g2 = copy.copy(g)
-                g2.layer_names = names
-                groups.append(g2)
-        tensors = []
-        for t in config.kv_cache_tensors:
-            shared = [n for n in t.shared_by if n in mine]
-            if shared:
-                t2 = copy.copy(t)
-                t2.shared_by = shared
-                tensors.append(t2)
+        groups = _keep_own(config.kv_cache_groups, "layer_names", mine)
+        tensors = _keep_own(config.kv_cache_tensors, "shared_by", mine)
         c.kv_cache_groups, c.kv_cache_tensors = groups, tensors
         out.append(c)
     return out

@@ -355,7 +355,7 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         "layer_ids": list(layer_ids),
         "batches": seqs_by_case,
         "variants": variants,
-        "engine_kwargs": tiny_models.vllm_engine_kwargs(args.arch, versions.get("vllm") or "", platform),
+        "engine_kwargs": tiny_models.vllm_engine_kwargs(args.arch, platform),
     }
     if platform == "cuda":  # the same device budget and attention backend as the generator's engine
         spec["engine_kwargs"].setdefault("gpu_memory_utilization", args.gpu_memory_utilization or 0.15)

