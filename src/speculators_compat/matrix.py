@@ -44,7 +44,7 @@ VERSIONED_PACKAGES = ("speculators", "vllm", "transformers", "torch")
 # stale: results exist, but from an earlier src/ tree (or without provenance): treated as untested
 TESTED_STATUSES = ("verified", "broken", "untested", "stale")
 _TOP_KEYS = {"schema", "patches", "tested", "not_applicable"}
-_PATCH_KEYS = {"why", "requires", *VERSIONED_PACKAGES}
+_PATCH_KEYS = {"why", *VERSIONED_PACKAGES}
 MAX_BYTES = 1 << 20  # 1 MiB: the shipped file is ~20 KB
 MAX_MESSAGE = 400  # characters of one error line
 _TESTED_KEYS = {"speculators", "vllm", "status", "platform", "evidence", "date", "commit"}
@@ -113,13 +113,12 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 @dataclass(frozen=True)
 class PatchRange:
-    """Where one patch applies: a version range per package (absent = any), why, and the
-    patches it needs applied alongside it (``requires``: enforced by the registry)."""
+    """Where one patch applies: a version range per package (absent = any) and why. (What it
+    needs alongside it is declared with the patch: ``Patch.requires``.)"""
 
     id: str
     why: str
     ranges: dict[str, SpecifierSet] = field(default_factory=dict)
-    requires: tuple[str, ...] = ()
 
     def gate(self, versions: dict[str, str | None]) -> str | None:
         """None when every ranged package's installed version lies in range, else the reason."""
@@ -217,7 +216,10 @@ def _check_keys(mapping: dict, allowed: set[str], where: str, hint: dict[str, st
         raise MatrixError(f"{where}: unknown key {_q(unknown[0])} (allowed: {', '.join(sorted(allowed))}){extra}")
 
 
-_PATCH_KEY_HINTS = {"family": "a patch's family is declared in its code (Patch.family), not here"}
+_PATCH_KEY_HINTS = {
+    "family": "a patch's family is declared in its code (Patch.family), not here",
+    "requires": "a patch's dependencies are declared in its code (Patch.requires), not here",
+}
 
 
 def _version_string(value, where: str) -> str:
@@ -251,7 +253,6 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
         raise MatrixError(f"{path}: key 'schema' must be {SCHEMA_VERSION}, found {_q(top.get('schema'))}")
 
     patches: dict[str, PatchRange] = {}
-    requires: dict[str, tuple[str, ...]] = {}
     for pid, body in _require_mapping(top.get("patches", {}), f"{path}: patches").items():
         if not isinstance(pid, str):
             raise MatrixError(f"{path}: patches: patch id {_q(pid)} is not a string")
@@ -263,17 +264,11 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
         ranges = {
             pkg: _spec(body[pkg], f"{where}.{pkg}") for pkg in VERSIONED_PACKAGES if pkg in body
         }
-        requires[pid] = _requires(body.get("requires", []), pid, f"{where}.requires")
         patches[pid] = PatchRange(
             id=pid,
             why=_require_str(body["why"], f"{where}.why"),
             ranges=ranges,
-            requires=requires[pid],
         )
-    for pid, needed in requires.items():
-        for other in needed:
-            if other not in patches:
-                raise MatrixError(f"{path}: patches.{pid}.requires: unknown patch id {_q(other)}")
 
     if known_ids is not None:
         unknown = sorted(set(patches) - known_ids)
@@ -320,16 +315,6 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
         na.append((_spec(row["speculators"], f"{where}.speculators"), _require_str(row["why"], f"{where}.why")))
 
     return Matrix(path=path, patches=patches, tested=tuple(tested), not_applicable=tuple(na))
-
-
-def _requires(value, pid: str, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-        raise MatrixError(f"{where}: expected a list of patch ids, found {_q(value)}")
-    if pid in value:
-        raise MatrixError(f"{where}: a patch cannot require itself")
-    if len(set(value)) != len(value):
-        raise MatrixError(f"{where}: a patch id is listed twice")
-    return tuple(value)
 
 
 def _spec(value, where: str) -> SpecifierSet:

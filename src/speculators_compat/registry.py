@@ -8,7 +8,7 @@ objects; only if both pass is the attribute replaced. Every outcome is a status 
 Rules:
 - one owner per attribute: registering a second patch on the same (module, attribute) raises
   ``PatchConflict`` at registration;
-- declared dependencies (``requires:`` in the matrix) hold at selection time: a selection
+- declared dependencies (``Patch.requires``, in the patch's own file) hold at selection time: a selection
   (``SPECULATORS_COMPAT_PATCHES``) that leaves out a patch which a selected, in-range patch
   requires, where that patch is in range too, is refused by ``configure`` in one line;
 - applying twice is a no-op; ``revert`` puts back the very object that was there (``is``);
@@ -123,6 +123,7 @@ class Patch:
     doc: str = ""
     module_alias: str | None = None  # a module the patch registers in sys.modules (stand-ins)
     calls: tuple = ()  # Call | tuple[Call, ...] (alternative forms): the vLLM calls made; bound by check
+    requires: tuple[str, ...] = ()  # patch ids this one needs applied where they are in range
 
     @property
     def owner(self) -> tuple[str, str]:
@@ -132,6 +133,11 @@ class Patch:
     def target(self) -> str:
         module, attribute = self.owner
         return f"{module}:{attribute}"
+
+    @property
+    def requires_where(self) -> str:
+        """Where ``requires`` is declared: the module that defines the patch's probe."""
+        return getattr(self.probe, "__module__", None) or "code"
 
 
 def wrapper_patch(
@@ -143,6 +149,7 @@ def wrapper_patch(
     probe: ProbeFn,
     doc: str = "",
     calls: tuple = (),
+    requires: tuple[str, ...] = (),
 ) -> Patch:
     """A patch that wraps ``module:attribute`` with a wrapt wrapper(wrapped, instance, args, kwargs)."""
     import wrapt
@@ -152,7 +159,8 @@ def wrapper_patch(
             raise AttributeError(f"{module}:{attribute} does not exist")
         return wrapt.FunctionWrapper(original, wrapper)
 
-    return Patch(id=id, family=family, hook_module=module, attribute=attribute, build=build, probe=probe, doc=doc, calls=calls)
+    return Patch(id=id, family=family, hook_module=module, attribute=attribute, build=build, probe=probe, doc=doc,
+                 calls=calls, requires=tuple(requires))
 
 
 @dataclass
@@ -229,6 +237,8 @@ class Registry:
         with self._lock:
             if patch.id in self._patches:
                 raise PatchConflict(f"patch id {patch.id!r} is registered twice")
+            if patch.id in patch.requires or len(set(patch.requires)) != len(patch.requires):
+                raise PatchConflict(f"patch {patch.id!r}: requires {list(patch.requires)} lists itself or an id twice")
             owner = patch.owner
             if owner in self._owners:
                 raise PatchConflict(
@@ -301,15 +311,17 @@ class Registry:
             return pid not in excluded and (selected is None or pid in selected)
 
         for pid in sorted(self._patches):
-            rng = matrix.patches.get(pid)
-            if rng is None or not rng.requires or not chosen(pid) or not self._in_range(pid, matrix, versions):
+            needed = self._patches[pid].requires
+            if not needed or pid not in matrix.patches or not chosen(pid) or not self._in_range(pid, matrix, versions):
                 continue
-            for dep in rng.requires:
+            for dep in needed:
+                if dep not in self._patches:
+                    raise ValueError(f"patch {pid!r} requires {dep!r}, which is not a registered patch")
                 if not chosen(dep) and dep in matrix.patches and self._in_range(dep, matrix, versions):
                     how = "excludes" if dep in excluded else "does not select"
                     raise ValueError(
                         f"SPECULATORS_COMPAT_PATCHES={selection!r} {how} {dep!r}, which patch {pid!r} requires "
-                        f"(declared in {matrix.path}); leave out {pid!r} too, or keep {dep!r}"
+                        f"(declared with {pid!r} in {self._patches[pid].requires_where}); leave out {pid!r} too, or keep {dep!r}"
                     )
 
     def _explicit(self, pid: str) -> bool:

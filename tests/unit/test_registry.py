@@ -760,7 +760,8 @@ def _dependent_pair(fake_modules, dep_range=None):
     name = fake_modules.write(SOURCE)
     driver, _ = counted_patch("driver", name)
     args, _ = counted_patch("args", name, attribute="C.m")
-    ranges = {"driver": {"requires": ["args"]}, "args": dep_range or {}}
+    driver.requires = ("args",)  # declared with the patch, in code
+    ranges = {"args": dep_range or {}}
     return make_registry([driver, args], ranges=ranges)
 
 
@@ -770,7 +771,7 @@ def test_excluding_a_required_patch_is_a_one_line_error_naming_both(fake_modules
         reg.configure(strict=False, selection="-args")
     assert str(info.value) == (
         "SPECULATORS_COMPAT_PATCHES='-args' excludes 'args', which patch 'driver' requires "
-        "(declared in fake_matrix.yaml); leave out 'driver' too, or keep 'args'"
+        f"(declared with 'driver' in {__name__}); leave out 'driver' too, or keep 'args'"
     )
     assert reg.excluded == set() and reg.selected is None  # the refused selection is not kept
 
@@ -794,6 +795,39 @@ def test_a_requirement_ranged_out_by_version_may_be_excluded(fake_modules):
     in_range = _dependent_pair(fake_modules, dep_range={"vllm": ">=0.12"})
     with pytest.raises(ValueError, match="excludes 'args', which patch 'driver' requires"):
         in_range.configure(strict=False, selection="-args")
+
+
+def test_a_requirement_on_an_unregistered_patch_is_an_error(fake_modules):
+    reg = _dependent_pair(fake_modules)
+    reg._patches["driver"].requires = ("no-such",)
+    with pytest.raises(ValueError, match="patch 'driver' requires 'no-such', which is not a registered patch"):
+        reg.configure(strict=False, selection="-args")
+
+
+def test_a_patch_requiring_itself_is_refused_at_registration(fake_modules):
+    from speculators_compat.registry import PatchConflict
+
+    name = fake_modules.write(SOURCE)
+    me, _ = counted_patch("me", name)
+    me.requires = ("me",)
+    with pytest.raises(PatchConflict, match="lists itself or an id twice"):
+        make_registry([me])
+
+
+def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
+    from speculators_compat.patches import all_patches
+
+    patches = {p.id: p for p in all_patches()}
+    declared = {pid: p.requires for pid, p in patches.items() if p.requires}
+    assert declared == {
+        "async-scheduling": ("scheduler-config-args", "generate-driver"),
+        "generate-driver": ("request-args", "worker-capture-rpc"),
+        "executor-backend": ("executor-class",),
+        "worker-capture-rpc": ("worker-capture-hooks",),
+    }
+    for pid, needed in declared.items():
+        assert set(needed) <= set(patches), pid
+        assert patches[pid].requires_where.startswith("speculators_compat.patches."), patches[pid].requires_where
 
 
 def test_shipped_dependencies_generate_driver_needs_request_args_from_vllm_017(clean_env):

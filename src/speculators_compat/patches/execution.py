@@ -115,6 +115,8 @@ PATCHES = [
         "MultiprocExecutor",
         _executor_async_scheduling,
         _probe_async_scheduling,
+        # the one writer of SchedulerConfig.async_scheduling; futures only the shim's driver drives
+        requires=("scheduler-config-args", "generate-driver"),
     ),
     wrapper_patch(
         "generate-driver",
@@ -123,5 +125,8 @@ PATCHES = [
         "VllmHiddenStatesGenerator.generate",
         _replace_generate,
         _probe_generate,
+        # the driver passes eos_token_id= to Request (request-args from 0.17) and talks to the
+        # worker capture through its RPC
+        requires=("request-args", "worker-capture-rpc"),
     )
 ]

@@ -268,6 +268,7 @@ PATCHES = [
         "ParallelConfig",
         _parallel_config_args,
         _probe_parallel_config,
+        requires=("executor-class",),  # a Ray/PP config needs vLLM's executor choice and per-rank KV configs
     ),
     wrapper_patch(
         "executor-class",

@@ -257,6 +257,7 @@ PATCHES = [
         attribute=f"HiddenStatesWorkerExtension.{RPC_NAME}",
         build=_build_rpc,
         probe=_probe_rpc,
+        requires=("worker-capture-hooks",),  # the RPC serves the hooks' capture
     ),
 ]
 
