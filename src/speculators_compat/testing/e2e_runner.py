@@ -127,7 +127,7 @@ def run(args, progress=None) -> dict:
     result["model_dir"] = portable_path(model_dir)  # the cache entry's name, no machine path
     hf_dir = tiny_models.hf_reference_dir(model_dir)  # a quantized model: HF on its dequantized copy
     if hf_dir != model_dir:
-        result["hf_model_dir"] = portable_path(hf_dir)
+        result["hf_model_dir"] = f"{portable_path(model_dir)}/{hf_dir.name}"
     result["max_model_len"] = args.max_model_len
     layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
 
