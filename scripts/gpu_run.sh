@@ -122,8 +122,9 @@ if [[ " $STEPS " == *" int4 "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   # Each cell: the capture vs the same engine's own forward on the packed checkpoint (decides), and vs HF on the
   # dequantized copy (recorded under references.hf; bf16 expert near-ties and Marlin's bf16 dequant are expected there)
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
-  PYTHONPATH=$PWD/src:$SITE python3 -c 'import compressed_tensors as ct, torch, vllm._custom_ops
+  PYTHONPATH=$PWD/src:$SITE python3 -c 'import compressed_tensors as ct, torch
 print("compressed-tensors", ct.__version__)
+import vllm._C_stable_libtorch, vllm._moe_C_stable_libtorch  # what CudaPlatform.import_kernels loads
 print("ops: _moe_C.moe_wna16_marlin_gemm", hasattr(torch.ops._moe_C, "moe_wna16_marlin_gemm"), "_C.gptq_marlin_repack", hasattr(torch.ops._C, "gptq_marlin_repack"))
 import vllm.model_executor.models.kimi_k25; print("kimi_k25 module imports")' 2>&1 | tail -20
   CELL_NAME=kimi_k25_int4_vllmref cell 0.3.0 kimi_k25 --quantization w4a16 --reference vllm --reference-timeout 300 & p1=$!
