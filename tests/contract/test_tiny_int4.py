@@ -98,3 +98,17 @@ def test_dequantizes_back_close_to_the_unquantized_weights(built):
         # symmetric int4, group 32, minmax: each entry within half a step of its group's scale
         assert float(((deq - w).abs() - scale.repeat_interleave(32, dim=1) / 2).max()) <= 1e-6, name
     assert 0.0 < worst < 0.15
+
+
+def test_hf_loads_the_dequantized_copy(built):
+    """HF's reference for the INT4 cells: the dequantized copy loads (every tensor used) and runs;
+    its layers differ from the unquantized model's (the int4 rounding), by a bounded amount."""
+    from speculators_compat.testing.reference import hf_layer_outputs, load_hf_model, relative_error
+
+    q, plain = built
+    seqs = [[1] + list(range(10, 60))]
+    got = hf_layer_outputs(load_hf_model(tm.hf_reference_dir(q)), seqs, [1, 3])
+    ref = hf_layer_outputs(load_hf_model(plain), seqs, [1, 3])
+    for g, r in zip(got[0], ref[0]):
+        assert torch.isfinite(g).all()
+        assert 0.0 < relative_error(g, r) < 0.5
