@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare .gpu/ for scripts/gpu_run.sh: the CUDA vLLM 0.24 bundle (../shared/gpu recipe), this
 # package as a wheel, speculators 0.3.0 / 0.4.0.1, and the few wheels their import needs that
-# the GPU image lacks. MOE=1 also writes .gpu-moe/ (MoE kernels, FlashAttention 3 for MLA prefill; 22 MB) for a second call.
+# the GPU image lacks (compressed-tensors: the version vLLM 0.24 pins; the kimi/int4 steps and the INT4 factory need it). MOE=1 also writes .gpu-moe/ (MoE kernels, FlashAttention 3 for MLA prefill; 22 MB) for a second call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
@@ -10,7 +10,7 @@ mkdir -p .gpu
 W=.gpu/bundle/whl
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d $W \
-  "wrapt==2.5.2" "loguru==0.7.3" "compressed-tensors" 2>&1 | grep -v "is ignored" || true
+  "wrapt==2.5.2" "loguru==0.7.3" "compressed-tensors==0.17.0" 2>&1 | grep -v "is ignored" || true
 rm -f $W/speculators_compat-*.whl
 uv build -q --wheel -o $W . 2>/dev/null || python3 -m pip wheel -q --no-deps -w $W .
 mkdir -p .gpu/spec

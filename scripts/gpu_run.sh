@@ -11,7 +11,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" / "mlaref" / "kimi" (DeepSeek-V3 / Kimi-K2.5 tiny, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -43,6 +43,10 @@ if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
   (cd $B && sha256sum --quiet -c SHA256SUMS) || { echo "checksum mismatch"; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $B/whl/*.whl || exit 3
   cat $B/vllm_tree.tar.xz* | xz -d -T0 | tar -x -C "$SITE" || exit 4
+fi
+# a site installed from an older bundle (a warm machine) lacks wheels added since: compressed-tensors (kimi, int4)
+if ls $B/whl/compressed_tensors-*.whl >/dev/null 2>&1 && [ ! -d "$SITE/compressed_tensors" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" $B/whl/compressed_tensors-*.whl || echo "compressed-tensors install failed"
 fi
 if [ -f .gpu-moe/_moe_C.xz ] && [ ! -f "$SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
   xz -d -c .gpu-moe/_moe_C.xz > "$SITE/vllm/_moe_C_stable_libtorch.abi3.so"
@@ -108,6 +112,24 @@ if [[ " $STEPS " == *" kimi "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
   CELL_NAME=kimi_k25_mla_vllmref cell 0.3.0 kimi_k25 --reference vllm & p1=$!
   CELL_NAME=kimi_k25_mla_vllmref cell 0.4.0.1 kimi_k25 --reference vllm & p2=$!; wait $p1 $p2
+fi
+if [[ " $STEPS " == *" int4 "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
+  echo "== Kimi-K2.5 INT4 as released (compressed-tensors pack-quantized W4A16, int4 sym, group 32, routed experts) on the MLA path"
+  # needs .gpu-moe/ (MOE=1 scripts/gpu_prepare.sh) and compressed-tensors 0.17.0 among the bundle's wheels (vLLM 0.24 pins it):
+  # vLLM 0.24 picks CompressedTensorsWNA16MarlinMoEMethod (hidden 128 % 128, intermediate 128 % max(64, 32), group 32 are
+  # what check_moe_marlin_supports_layer takes): the GEMM is torch.ops._moe_C.moe_wna16_marlin_gemm (_moe_C), the weight
+  # repack torch.ops._C.gptq_marlin_repack (_C). The factory's text_config has the MLA dims the H200 kernels take.
+  # Each cell: the capture vs the same engine's own forward on the packed checkpoint (decides), and vs HF on the
+  # dequantized copy (recorded under references.hf; bf16 expert near-ties and Marlin's bf16 dequant are expected there)
+  export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
+  PYTHONPATH=$PWD/src:$SITE python3 -c 'import compressed_tensors as ct, torch
+print("compressed-tensors", ct.__version__)
+import vllm._C_stable_libtorch, vllm._moe_C_stable_libtorch  # what CudaPlatform.import_kernels loads
+print("ops: _moe_C.moe_wna16_marlin_gemm", hasattr(torch.ops._moe_C, "moe_wna16_marlin_gemm"), "_C.gptq_marlin_repack", hasattr(torch.ops._C, "gptq_marlin_repack"))
+import vllm.model_executor.models.kimi_k25; print("kimi_k25 module imports")' 2>&1 | tail -20
+  CELL_NAME=kimi_k25_int4_vllmref cell 0.3.0 kimi_k25 --quantization w4a16 --reference vllm --reference-timeout 300 & p1=$!
+  CELL_NAME=kimi_k25_int4_vllmref cell 0.4.0.1 kimi_k25 --quantization w4a16 --reference vllm --reference-timeout 300 & p2=$!; wait $p1 $p2
+  for f in "$OUT"/e2e_spec-*_kimi_k25_int4_vllmref.log; do echo "-- $f"; grep -E "Error|error:|Using .*MoE|WNA16|Marlin" "$f" | grep -v "^ " | tail -8; done
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"

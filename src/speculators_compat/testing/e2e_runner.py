@@ -118,10 +118,16 @@ def run(args, progress=None) -> dict:
     say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
     overrides = json.loads(args.overrides) if args.overrides else None
     result["overrides"] = overrides
+    quantization = getattr(args, "quantization", None)
+    result["quantization"] = quantization
     model_dir = tiny_models.build_tiny_model(
-        args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides
+        args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides,
+        **({"quantization": quantization} if quantization else {}),
     )
     result["model_dir"] = portable_path(model_dir)  # the cache entry's name, no machine path
+    hf_dir = tiny_models.hf_reference_dir(model_dir)  # a quantized model: HF on its dequantized copy
+    if hf_dir != model_dir:
+        result["hf_model_dir"] = f"{portable_path(model_dir)}/{hf_dir.name}"
     result["max_model_len"] = args.max_model_len
     layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
 
@@ -193,7 +199,7 @@ def run(args, progress=None) -> dict:
     l4s = llama4_scaling.config_value(model_dir)
     references: dict = {}
     controls: dict = {}
-    hf_model = load_hf_model(model_dir, dtype=captured_dtype, device=device)
+    hf_model = load_hf_model(hf_dir, dtype=captured_dtype, device=device)
     result["hf_class"] = f"{type(hf_model).__module__}.{type(hf_model).__qualname__}"
     hf_plain = {n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()}
     if l4s is not None:
@@ -399,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
         "float32 gives MoE archs a decisive comparison",
     )
     parser.add_argument("--overrides", default=None, help="JSON of model config keys (e.g. MLA dims for GPU kernels)")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("w4a16",),
+        help="kimi_k25 only: INT4 as released (compressed-tensors pack-quantized W4A16, group 32, routed experts); "
+        "the engine loads the packed checkpoint, HF its dequantized copy",
+    )
     parser.add_argument(
         "--reference",
         default="hf",
