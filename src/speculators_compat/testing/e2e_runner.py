@@ -133,6 +133,9 @@ def run(args, progress=None) -> dict:
         kwargs = {"layer_ids": layer_ids, "max_model_len": args.max_model_len}
         if args.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        result["max_num_batched_tokens"] = args.max_num_batched_tokens
         if args.tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         result["tensor_parallel_size"] = args.tensor_parallel_size
@@ -383,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--unpatched", action="store_true", help="disable the shim in every process")
     parser.add_argument("--layers", default=None)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the generator's token budget per step (speculators' default: max(8192, max_model_len)); "
+        "below the sequence lengths every long sequence is prefilled in chunks over several steps",
+    )
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
