@@ -272,18 +272,18 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
         if num_layers < interval:  # keep at least one full-attention layer
             common["layer_types"][-1] = "full_attention"
         if arch == "qwen3_next":
-            # Qwen3-Next is MoE (routed experts + a gated shared expert); the tiny one keeps the
-            # MoE config but runs a dense MLP in every layer (mlp_only_layers): vLLM's CPU GDN runs
-            # in bf16 only, and in bf16 near-tied routers flip experts (HF bf16 vs HF fp32 alone:
-            # worst row 0.56 with MoE, 0.04 dense, 300 tokens). ``overrides={"mlp_only_layers": []}``
-            # gives the MoE variant.
+            # Qwen3-Next is MoE in every layer (routed experts + a gated shared expert), and vLLM's
+            # Qwen3NextForCausalLM needs at least one MoE layer ("No Qwen3Next layer found"). vLLM's
+            # CPU GDN runs in bf16 only, and in bf16 near-tied routers flip top-k choices (HF bf16 vs
+            # HF fp32 alone: worst row 0.56 with top-2 of 8): every token takes all 4 experts
+            # (top-k = num_experts), so routing weighs experts continuously and cannot flip.
             common.update(
-                num_experts=8,
-                num_experts_per_tok=2,
+                num_experts=4,
+                num_experts_per_tok=4,
                 moe_intermediate_size=hidden_size,
                 shared_expert_intermediate_size=hidden_size,
                 decoder_sparse_step=1,
-                mlp_only_layers=list(range(num_layers)),
+                mlp_only_layers=[],
                 norm_topk_prob=True,
                 output_router_logits=False,
             )
