@@ -824,6 +824,7 @@ def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
         "generate-driver": ("request-args", "worker-capture-rpc"),
         "executor-backend": ("executor-class",),
         "worker-capture-rpc": ("worker-capture-hooks",),
+        "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify",),
     }
     for pid, needed in declared.items():
         assert set(needed) <= set(patches), pid

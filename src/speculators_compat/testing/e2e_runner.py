@@ -69,6 +69,23 @@ def _force_engine_dtype(dtype: str) -> None:
     gen.ModelConfig = model_config
 
 
+def _force_max_num_batched_tokens(n: int) -> None:
+    """Give the generator's scheduler a token budget of ``n`` per step where its constructor has no
+    ``max_num_batched_tokens`` parameter (speculators 0.3.0: always ``max(8192, max_model_len)``),
+    so sequences longer than ``n`` are prefilled in chunks over several steps. Test-harness only:
+    wraps the ``SchedulerConfig`` name speculators' module calls (as ``_force_engine_dtype`` does
+    for ``ModelConfig``), on top of whatever the shim put there."""
+    from speculators.data_generation import vllm_hidden_states_generator as gen
+
+    original = gen.SchedulerConfig
+
+    def scheduler_config(*args, **kwargs):
+        kwargs["max_num_batched_tokens"] = n
+        return original(*args, **kwargs)
+
+    gen.SchedulerConfig = scheduler_config
+
+
 def _platform() -> str:
     import torch
 
@@ -139,6 +156,16 @@ def run(args, progress=None) -> dict:
         kwargs = {"layer_ids": layer_ids, "max_model_len": args.max_model_len}
         if args.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+        result["max_num_batched_tokens"] = args.max_num_batched_tokens
+        if args.max_num_batched_tokens is not None:
+            import inspect
+
+            if "max_num_batched_tokens" in inspect.signature(VllmHiddenStatesGenerator.__init__).parameters:
+                kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+                result["max_num_batched_tokens_via"] = "generator parameter"
+            else:  # speculators 0.3.0
+                _force_max_num_batched_tokens(args.max_num_batched_tokens)
+                result["max_num_batched_tokens_via"] = "harness: SchedulerConfig(max_num_batched_tokens=) in the generator's module"
         if args.tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         result["tensor_parallel_size"] = args.tensor_parallel_size
@@ -389,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--unpatched", action="store_true", help="disable the shim in every process")
     parser.add_argument("--layers", default=None)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the generator's token budget per step (speculators' default: max(8192, max_model_len)); "
+        "below the sequence lengths every long sequence is prefilled in chunks over several steps",
+    )
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -45,7 +45,13 @@ ARCHITECTURES: tuple[str, ...] = (
     "gemma3",
     "llava",
     "kimi_k25",
+    "qwen3_5",
+    "qwen3_next",
 )
+
+# Hybrid-attention archs: gated delta-net linear attention layers (vLLM: MambaSpec KV-cache specs,
+# a recurrent state per request) between full-attention layers (FullAttentionSpec).
+HYBRID_ARCHITECTURES: tuple[str, ...] = ("qwen3_5", "qwen3_next")
 
 # Multimodal wrappers (a vision tower + projector around a text decoder). Prompts are text-only
 # token ids (what speculators feeds), so the captured layers are the text decoder's.
@@ -94,6 +100,8 @@ _MODEL_TYPE = {
     "gemma3": "gemma3_text",
     "llava": "llava",
     "kimi_k25": "kimi_k25",
+    "qwen3_5": "qwen3_5_text",  # the text-only config (Qwen3_5TextConfig); "qwen3_5" is the VL wrapper
+    "qwen3_next": "qwen3_next",
 }
 
 _ARCH_CLASS = {
@@ -107,6 +115,8 @@ _ARCH_CLASS = {
     "gemma3": "Gemma3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
     "kimi_k25": "KimiK25ForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForCausalLM",  # vLLM 0.32 registers it (models/qwen3_5.py), transformers 5 has it
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 # llava: a tiny CLIP vision tower (vLLM profiles the encoder at start with a dummy image).
@@ -238,6 +248,45 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
             rms_norm_eps=1e-5,
             max_position_embeddings=131072,  # = yarn factor 32 x original 4096 (no warning)
         )
+    elif arch in HYBRID_ARCHITECTURES:
+        # as the released Qwen3.5 / Qwen3-Next configs: layer_types from full_attention_interval
+        # (every 4th layer full attention, the rest gated delta-net), gated full attention with
+        # partial rope. GDN dims: vLLM's CPU kernel takes key head dim == value head dim, 64 or 128.
+        interval = 4
+        common.update(
+            head_dim=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            full_attention_interval=interval,
+            layer_types=[
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+            ],
+        )
+        if num_layers < interval:  # keep at least one full-attention layer
+            common["layer_types"][-1] = "full_attention"
+        if arch == "qwen3_next":
+            # Qwen3-Next is MoE in every layer (routed experts + a gated shared expert), and vLLM's
+            # Qwen3NextForCausalLM needs at least one MoE layer ("No Qwen3Next layer found"). vLLM's
+            # CPU GDN runs in bf16 only, and in bf16 near-tied routers flip top-k choices (HF bf16 vs
+            # HF fp32 alone: worst row 0.56 with top-2 of 8): every token takes all 4 experts
+            # (top-k = num_experts), so routing weighs experts continuously and cannot flip.
+            common.update(
+                num_experts=4,
+                num_experts_per_tok=4,
+                moe_intermediate_size=hidden_size,
+                shared_expert_intermediate_size=hidden_size,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+                output_router_logits=False,
+            )
     elif arch == "gemma3":
         common.update(
             head_dim=head_dim,
@@ -440,7 +489,10 @@ def _init_tensor(name: str, t, arch: str) -> None:
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
     if "norm" in lname and t.dim() == 1:
-        base = 0.0 if arch == "gemma3" else 1.0  # Gemma RMSNorm multiplies by (1 + w)
+        # Gemma, Qwen3.5 and Qwen3-Next RMSNorms multiply by (1 + w); the gated delta-net's own
+        # output norm (linear_attn.norm) multiplies by w
+        offset_norm = arch == "gemma3" or (arch in HYBRID_ARCHITECTURES and "linear_attn.norm" not in lname)
+        base = 0.0 if offset_norm else 1.0
         val = base + randn(_STD_NORM)
     elif leaf == "e_score_correction_bias":
         val = randn(0.1)  # non-zero so the noaux_tc bias affects expert selection
@@ -1134,6 +1186,9 @@ _VLLM_DTYPE_LIMITS: dict[tuple[str, str], list[tuple[str, tuple[str, ...], str]]
             "(0.16: 'expected scalar type BFloat16 but found Float')",
         )
     ],
+    # measured on vLLM 0.32 CPU (AVX2): "CPU GDN attention requires BF16" for float32
+    ("qwen3_5", "cpu"): [((10**6,), ("float32", "float16"), "vLLM's CPU gated delta-net attention requires bf16")],
+    ("qwen3_next", "cpu"): [((10**6,), ("float32", "float16"), "vLLM's CPU gated delta-net attention requires bf16")],
 }
 
 
