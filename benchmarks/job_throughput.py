@@ -296,7 +296,39 @@ def main() -> int:
     warm_b = pass_b()
     print(json.dumps({"init_B_s": init_b, "warmup_B_s": warm_b}), flush=True)
 
-    reps = []
+    from speculators_compat.testing.provenance import portable_command, portable_path, provenance, scrub_paths
+    from speculators_compat.versions import installed_versions
+
+    reps: list[dict] = []
+    out = {
+        "provenance": provenance(),
+        "command": portable_command(),
+        "complete": False,
+        "platform": platform,
+        "device": torch.cuda.get_device_name(0) if platform == "cuda" else os.uname().machine,
+        "cpu_count": os.cpu_count(),
+        "versions": {k: v.version for k, v in installed_versions().items()},
+        "script": portable_path(script),
+        "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype,
+                  "layer_ids": list(getattr(gen, "layer_ids", []) or [])},
+        "settings": {"batch_size": args.batch_size, "seq_length": args.seq_length, "gpu_util": args.gpu_util,
+                     "preprocessing_workers": args.preprocessing_workers, "reps": args.reps,
+                     "conversations_per_class": n, "kv_cache_bytes": os.environ.get("SPECULATORS_COMPAT_KV_CACHE_BYTES")},
+        "data": {"conversations": len(rows), "samples": len(lengths), "tokens": tokens, "batches": len(batches),
+                 "by_class": by_class},
+        "warmup": {"A": public(warm_a), "B_init_s": init_b, "B_pass_s": warm_b, "B_tok_s": tokens / warm_b},
+        "summary": None,
+        "reps": reps,
+    }
+
+    def write() -> str:
+        # after the warm-up and every repetition, so a run cut off by a time limit still leaves its numbers
+        text = json.dumps(scrub_paths(out), indent=2, default=str)
+        if args.out:
+            Path(args.out).write_text(text)
+        return text
+
+    write()
     for r in range(args.reps):
         order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
         rep: dict = {"order": order}
@@ -320,14 +352,15 @@ def main() -> int:
         rep["ratio_job"] = a["tok_s_job"] / b
         reps.append(rep)
         print(json.dumps(rep), flush=True)
+        write()
 
     def stats(vals):
         return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
     summary = {
         "B_tok_s": stats([r["B"]["tok_s"] for r in reps]),
-        "A_tok_s_generate_phase": stats([r["A"]["tok_s_generate_phase"] for r in reps]),
-        "A_tok_s_ex_engine": stats([r["A"]["tok_s_ex_engine"] for r in reps]),
+        "A_tok_s_generate_phase": stats([r["A"].get("tok_s_generate_phase", float("nan")) for r in reps]),
+        "A_tok_s_ex_engine": stats([r["A"].get("tok_s_ex_engine", float("nan")) for r in reps]),
         "A_tok_s_job": stats([r["A"]["tok_s_job"] for r in reps]),
         "ratio_generate_phase": stats([r["ratio_generate_phase"] for r in reps]),
         "ratio_ex_engine": stats([r["ratio_ex_engine"] for r in reps]),
@@ -341,32 +374,9 @@ def main() -> int:
         "engine_init_s": {"A_median": statistics.median(r["A"]["engine_init_s"] for r in reps), "B": init_b},
     }
     print(json.dumps(summary), flush=True)
-
-    from speculators_compat.testing.provenance import portable_command, portable_path, provenance, scrub_paths
-    from speculators_compat.versions import installed_versions
-
-    out = {
-        "provenance": provenance(),
-        "command": portable_command(),
-        "platform": platform,
-        "device": torch.cuda.get_device_name(0) if platform == "cuda" else os.uname().machine,
-        "cpu_count": os.cpu_count(),
-        "versions": {k: v.version for k, v in installed_versions().items()},
-        "script": portable_path(script),
-        "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype,
-                  "layer_ids": list(getattr(gen, "layer_ids", []) or [])},
-        "settings": {"batch_size": args.batch_size, "seq_length": args.seq_length, "gpu_util": args.gpu_util,
-                     "preprocessing_workers": args.preprocessing_workers, "reps": args.reps,
-                     "conversations_per_class": n, "kv_cache_bytes": os.environ.get("SPECULATORS_COMPAT_KV_CACHE_BYTES")},
-        "data": {"conversations": len(rows), "samples": len(lengths), "tokens": tokens, "batches": len(batches),
-                 "by_class": by_class},
-        "warmup": {"A": public(warm_a), "B_init_s": init_b, "B_pass_s": warm_b, "B_tok_s": tokens / warm_b},
-        "summary": summary,
-        "reps": reps,
-    }
-    text = json.dumps(scrub_paths(out), indent=2, default=str)
-    if args.out:
-        Path(args.out).write_text(text)
+    out["summary"] = summary
+    out["complete"] = True
+    text = write()
     print(text)
     if not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
@@ -375,4 +385,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    main()
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # a live engine (B) is not shut down through the interpreter's exit
