@@ -156,8 +156,8 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.script_timeout)
     wall = time.perf_counter() - p0
     t_end = t_start + wall
-    (run_dir / "script.stdout").write_text(proc.stdout)
-    (run_dir / "script.stderr").write_text(proc.stderr)
+    # beside the run's folder (removed after the run unless --keep): the script's own log survives
+    (work / f"{tag}.script.log").write_text(proc.stderr + "\n--- stdout ---\n" + proc.stdout)
     res: dict = {"returncode": proc.returncode, "wall_s": wall}
     if proc.returncode != 0:
         res["stderr_tail"] = proc.stderr[-3000:]
