@@ -11,7 +11,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -139,6 +139,26 @@ if [[ " $STEPS " == *" bench "* ]]; then
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --vllm-extract --capture-control --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
+fi
+if [[ " $STEPS " == *" job "* ]]; then
+  echo "== whole-job throughput: speculators' released script under speculators-compat run vs the generator alone"
+  # speculators 0.4.0.1's data_generation_offline.py (tests/e2e/speculators_scripts), Llama hidden 2048 x 8 layers,
+  # 2 x 32 chat conversations (512-1024 and 1024-2048 tokens), batch 8: a warm-up run + 2 repetitions of each side
+  # (~1 min per script run: imports, preprocessing, engine start); the data files go to $SCRATCH/job (disk).
+  # The script's preprocessing needs HF datasets, which neither the image nor the bundle holds: carry its
+  # wheels in .gpu/job-whl (here: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+  # --implementation cp --platform manylinux_2_28_x86_64 -d .gpu/job-whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+  if [ -d .gpu/job-whl ] && [ ! -d "$SITE/datasets" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .gpu/job-whl/*.whl || echo "job: wheel install failed"
+  fi
+  PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
+    || echo "job: the script's imports fail (datasets missing? carry .gpu/job-whl)"
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout ${JOB_TIMEOUT:-300} python3 benchmarks/job_throughput.py \
+    --hidden 2048 --layers 8 --n 32 --batch-size 8 --seq-length 2048 --reps ${JOB_REPS:-2} --gpu-util 0.4 \
+    --script tests/e2e/speculators_scripts/v0.4.0.1/data_generation_offline.py --work "$SCRATCH/job" \
+    --script-timeout 150 --out "$OUT/job_throughput_h200.json" > "$OUT/job_throughput_h200.log" 2>&1; echo "job rc=$?"
+  for f in "$SCRATCH"/job/*.script.log; do [ -f "$f" ] && cp "$f" "$OUT/job_$(basename "$f" .script.log)_script.log"; done
+  rm -rf "$SCRATCH/job"
 fi
 if [[ " $STEPS " == *" noasync "* ]]; then
   echo "== throughput vs native without async scheduling (as the generator's engine runs)"

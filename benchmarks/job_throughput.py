@@ -1,0 +1,391 @@
+"""Whole-job throughput: speculators' released script end to end vs the generator alone.
+
+One model shape (the factory's Llama, chat tokenizer), one synthetic chat dataset with two size
+classes (N conversations whose chat-templated length falls in 512-1024 tokens, N in 1024-2048).
+
+A  speculators' own ``data_generation_offline.py`` (the released file, unmodified, from
+   ``tests/e2e/speculators_scripts``, sha-checked) run under ``speculators-compat run`` as a
+   subprocess: a fresh output folder and a fresh HF datasets cache every run, so preprocessing
+   (chat template, tokenisation, loss masks) runs each time, as on a user's first run. The
+   wall time of the whole job is split from the script's own log timestamps (ms):
+   ``startup_s`` (process start to its first log line: imports), ``preprocess_s``,
+   ``engine_init_s`` ("Initializing vLLM hidden states generator" to "Processing N/N samples":
+   engine start + model load), ``generate_loop_s`` (the batch loop: ``generate`` + handing each
+   sample to the 4-thread ``torch.save`` pool), ``save_drain_s`` (the saves still pending after
+   the loop), ``finish_s`` (sample_lengths.json, data_config.json, exit). Tokens are the sum of
+   the ``sample_lengths.json`` it writes.
+B  the generator alone: ``VllmHiddenStatesGenerator(...).generate`` in this process (shim
+   imported), same engine settings (max_model_len = --seq-length, same layer ids, same
+   gpu_memory_utilization), on the token ids the script's preprocessing produced (read back from
+   the warm-up run's ``data_*.pt`` files), in the script's batches and order; outputs dropped.
+
+Ratios (A tokens/s over B tokens/s, per repetition, then median/min/max):
+``ratio_generate_phase`` = tokens / (generate_loop_s + save_drain_s) / B: what the script's loop
+and per-sample ``torch.save`` cost over ``generate``; ``ratio_ex_engine`` = tokens / (wall -
+engine_init_s) / B: adds the process start, imports and preprocessing; ``ratio_job`` = tokens /
+wall / B: the whole job, engine start included. Engine start + model load are reported apart
+(A: every run's ``engine_init_s``; B: ``init_s`` once).
+
+A and B alternate over --reps repetitions, the order rotating (rep r starts with side r mod 2).
+The warm-up (one A run, which also yields the token ids, then B's engine start and one B pass)
+is timed and reported apart. B's engine stays up (idle) while A's subprocess runs; vLLM's idle
+workers wait on a socket, not spinning.
+
+    python benchmarks/job_throughput.py --hidden 128 --layers 4 --n 8 --batch-size 4 --reps 2 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+CLASSES = ((512, 1024), (1024, 2048))
+
+# the script's log lines that bound its phases (first occurrence each)
+_MARKS = {
+    "first": "EAGLE Offline Data Generation",
+    "init": "Initializing vLLM hidden states generator",
+    "processing": re.compile(r"Processing \d+/\d+ samples"),
+    "wait": "Waiting for remaining file saves",
+    "saved": re.compile(r"Saved \d+ new data points"),
+    "done": "Data generation complete",
+}
+_TS = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - ")
+
+
+def _ts(match: re.Match) -> float:
+    return time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")) + int(match.group(2)) / 1000
+
+
+def parse_marks(text: str) -> dict[str, float]:
+    """Epoch time of each mark: the timestamp of the log record whose message holds it (a
+    message may continue on the lines after its timestamp, as the script's subsections do)."""
+    found: dict[str, float] = {}
+    last = None
+    for line in re.split(r"[\r\n]", text):
+        for m in _TS.finditer(line):
+            last = _ts(m)
+        if last is None:
+            continue
+        for name, pat in _MARKS.items():
+            if name in found:
+                continue
+            if (pat.search(line) if isinstance(pat, re.Pattern) else pat in line):
+                found[name] = last
+    return found
+
+
+def chat_rows(tokenizer, n: int, seed: int = 0) -> tuple[list[dict], list[int]]:
+    """n conversations per size class, multi-turn (human/gpt), each grown turn by turn until its
+    chat-templated length reaches a target drawn inside its class (32 tokens off each edge)."""
+    from script_pipeline import _SENT
+
+    rng = random.Random(seed)
+    rows, lengths = [], []
+
+    def length(conv):
+        msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in conv]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    for lo, hi in CLASSES:
+        for _ in range(n):
+            target = rng.randrange(lo + 32, hi - 32)
+            conv = []
+            while True:
+                q = " ".join(rng.choice(_SENT) for _ in range(rng.randrange(1, 3)))
+                a = ". ".join(rng.choice(_SENT) for _ in range(rng.randrange(2, 7)))
+                trial = conv + [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+                n_tok = length(trial)
+                if n_tok > target and conv:
+                    break
+                conv = trial
+                if n_tok > target - 16:
+                    break
+            rows.append({"conversations": conv})
+            lengths.append(length(conv))
+    rng.shuffle(rows)
+    return rows, lengths
+
+
+def class_of(n_tok: int) -> str:
+    for lo, hi in CLASSES:
+        if lo <= n_tok < hi:
+            return f"{lo}-{hi}"
+    return "other"
+
+
+def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str) -> dict:
+    """One end-to-end run of the released script under ``speculators-compat run``."""
+    run_dir = work / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    out_dir = run_dir / "out"
+    cmd = [
+        sys.executable, "-m", "speculators_compat", "run", sys.executable, str(script),
+        "--target-model-path", str(model),
+        "--train-data-path", str(data),
+        "--output-dir", str(out_dir),
+        "--seq-length", str(args.seq_length),
+        "--batch-size", str(args.batch_size),
+        "--gpu-memory-utilization", str(args.gpu_util),
+        "--num-preprocessing-workers", str(args.preprocessing_workers),
+        "--token-freq-path", str(run_dir / "token_freq.pt"),
+        "--hf-cache-dir", str(run_dir / "hf_datasets"),
+    ]
+    if args.layer_ids:
+        cmd += ["--layer-ids", *map(str, args.layer_ids)]
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    t_start = time.time()
+    p0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.script_timeout)
+    wall = time.perf_counter() - p0
+    t_end = t_start + wall
+    # beside the run's folder (removed after the run unless --keep): the script's own log survives
+    (work / f"{tag}.script.log").write_text(proc.stderr + "\n--- stdout ---\n" + proc.stdout)
+    res: dict = {"returncode": proc.returncode, "wall_s": wall}
+    if proc.returncode != 0:
+        res["stderr_tail"] = proc.stderr[-3000:]
+        return res
+    m = parse_marks(proc.stderr + "\n" + proc.stdout)
+    missing = [k for k in _MARKS if k not in m]
+    if missing:
+        res["missing_marks"] = missing
+    seg = {
+        "startup_s": ("start", "first"),
+        "preprocess_s": ("first", "init"),
+        "engine_init_s": ("init", "processing"),
+        "generate_loop_s": ("processing", "wait"),
+        "save_drain_s": ("wait", "saved"),
+        "finish_s": ("saved", "end"),
+    }
+    m2 = {"start": t_start, "end": t_end, **m}
+    for k, (a, b) in seg.items():
+        if a in m2 and b in m2:
+            res[k] = m2[b] - m2[a]
+    lengths = json.loads((out_dir / "sample_lengths.json").read_text())
+    files = sorted(out_dir.glob("data_*.pt"), key=lambda p: int(p.stem[5:]))
+    res["samples"] = len(lengths)
+    res["files"] = len(files)
+    res["tokens"] = sum(lengths.values())
+    res["bytes_written"] = sum(f.stat().st_size for f in files)
+    res["_lengths"] = [lengths[str(i)] for i in range(len(lengths))]
+    res["_out_dir"] = out_dir
+    res["_files"] = files
+    res["_run_dir"] = run_dir
+    tok = res["tokens"]
+    res["tok_s_job"] = tok / wall
+    if "engine_init_s" in res:
+        res["tok_s_ex_engine"] = tok / (wall - res["engine_init_s"])
+    if "generate_loop_s" in res and "save_drain_s" in res:
+        res["generate_phase_s"] = res["generate_loop_s"] + res["save_drain_s"]
+        res["tok_s_generate_phase"] = tok / res["generate_phase_s"]
+    return res
+
+
+def read_ids(files: list[Path]) -> list[list[int]]:
+    import torch
+
+    out = []
+    for f in files:
+        d = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        ids = d["input_ids"]
+        out.append([int(x) for x in (ids.tolist() if hasattr(ids, "tolist") else ids)])
+    return out
+
+
+def public(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not k.startswith("_")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--n", type=int, default=None, help="conversations per size class (default: 4 batches' worth)")
+    p.add_argument("--batch-size", type=int, default=8, help="the script's --batch-size (its default 8)")
+    p.add_argument("--seq-length", type=int, default=2048, help="the script's --seq-length (max_model_len)")
+    p.add_argument("--layer-ids", type=int, nargs="+", default=None, help="default: speculators' own choice")
+    p.add_argument("--gpu-util", type=float, default=0.4, help="gpu_memory_utilization of both A and B")
+    p.add_argument("--preprocessing-workers", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--script", default=None, help="default: the copy for the installed speculators release")
+    p.add_argument("--work", default=None, help="folder for the runs' data (default: a temp folder, removed)")
+    p.add_argument("--keep", action="store_true", help="keep the runs' output files")
+    p.add_argument("--script-timeout", type=float, default=600)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    n = args.n or 4 * args.batch_size
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import speculators_compat  # noqa: F401
+    import torch
+    from script_pipeline import installed_speculators, script_for
+    from speculators_compat.testing.tiny_models import build_tiny_model, vllm_env
+
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    for k, v in vllm_env(args.arch, platform).items():
+        os.environ.setdefault(k, v)
+    script = Path(args.script).resolve() if args.script else script_for(installed_speculators())
+    model = build_tiny_model(args.arch, num_layers=args.layers, hidden_size=args.hidden, dtype=args.dtype)
+    work = Path(args.work or tempfile.mkdtemp(prefix="job-throughput-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rows, templated = chat_rows(tok, n)
+    data = work / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"dataset: {len(rows)} conversations, templated lengths {min(templated)}-{max(templated)}", flush=True)
+
+    # warm-up A: also yields the token ids the script's preprocessing produced
+    warm_a = run_script(args, script, model, data, work, "warmup_a")
+    print(json.dumps({"warmup_A": public(warm_a)}), flush=True)
+    if warm_a["returncode"] != 0:
+        print(warm_a.get("stderr_tail", ""), file=sys.stderr)
+        return 1
+    ids = read_ids(warm_a["_files"])
+    lengths = warm_a["_lengths"]
+    assert [len(x) for x in ids] == lengths, "data_*.pt input_ids disagree with sample_lengths.json"
+    if not args.keep:
+        shutil.rmtree(warm_a["_run_dir"], ignore_errors=True)
+    batches = [ids[i : i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
+    tokens = sum(lengths)
+    by_class: dict[str, dict] = {}
+    for L in lengths:
+        c = by_class.setdefault(class_of(L), {"samples": 0, "tokens": 0, "min": L, "max": L})
+        c["samples"] += 1
+        c["tokens"] += L
+        c["min"], c["max"] = min(c["min"], L), max(c["max"], L)
+
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    t = time.perf_counter()
+    gen = VllmHiddenStatesGenerator(str(model), layer_ids=args.layer_ids, max_model_len=args.seq_length,
+                                    gpu_memory_utilization=args.gpu_util)
+    init_b = time.perf_counter() - t
+
+    def pass_b() -> float:
+        if platform == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for b in batches:
+            res = gen.generate(b)
+            assert len(res) == len(b)
+            del res
+        return time.perf_counter() - t
+
+    warm_b = pass_b()
+    print(json.dumps({"init_B_s": init_b, "warmup_B_s": warm_b}), flush=True)
+
+    from speculators_compat.testing.provenance import portable_command, portable_path, provenance, scrub_paths
+    from speculators_compat.versions import installed_versions
+
+    reps: list[dict] = []
+    out = {
+        "provenance": provenance(),
+        "command": portable_command(),
+        "complete": False,
+        "platform": platform,
+        "device": torch.cuda.get_device_name(0) if platform == "cuda" else os.uname().machine,
+        "cpu_count": os.cpu_count(),
+        "versions": {k: v.version for k, v in installed_versions().items()},
+        "script": portable_path(script),
+        "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype,
+                  "layer_ids": list(getattr(gen, "layer_ids", []) or [])},
+        "settings": {"batch_size": args.batch_size, "seq_length": args.seq_length, "gpu_util": args.gpu_util,
+                     "preprocessing_workers": args.preprocessing_workers, "reps": args.reps,
+                     "conversations_per_class": n, "kv_cache_bytes": os.environ.get("SPECULATORS_COMPAT_KV_CACHE_BYTES")},
+        "data": {"conversations": len(rows), "samples": len(lengths), "tokens": tokens, "batches": len(batches),
+                 "by_class": by_class},
+        "warmup": {"A": public(warm_a), "B_init_s": init_b, "B_pass_s": warm_b, "B_tok_s": tokens / warm_b},
+        "summary": None,
+        "reps": reps,
+    }
+
+    def write() -> str:
+        # after the warm-up and every repetition, so a run cut off by a time limit still leaves its numbers
+        text = json.dumps(scrub_paths(out), indent=2, default=str)
+        if args.out:
+            Path(args.out).write_text(text)
+        return text
+
+    write()
+    for r in range(args.reps):
+        order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
+        rep: dict = {"order": order}
+        for side in order:
+            if side == "A":
+                a = run_script(args, script, model, data, work, f"rep{r}_a")
+                if a["returncode"] != 0:
+                    print(a.get("stderr_tail", ""), file=sys.stderr)
+                    return 1
+                a["same_samples_as_warmup"] = a["_lengths"] == lengths
+                if not args.keep:
+                    shutil.rmtree(a["_run_dir"], ignore_errors=True)
+                rep["A"] = public(a)
+            else:
+                s = pass_b()
+                rep["B"] = {"seconds": s, "tokens": tokens, "tok_s": tokens / s}
+        b = rep["B"]["tok_s"]
+        a = rep["A"]
+        rep["ratio_generate_phase"] = a.get("tok_s_generate_phase", float("nan")) / b
+        rep["ratio_ex_engine"] = a.get("tok_s_ex_engine", float("nan")) / b
+        rep["ratio_job"] = a["tok_s_job"] / b
+        reps.append(rep)
+        print(json.dumps(rep), flush=True)
+        write()
+
+    def stats(vals):
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+    summary = {
+        "B_tok_s": stats([r["B"]["tok_s"] for r in reps]),
+        "A_tok_s_generate_phase": stats([r["A"].get("tok_s_generate_phase", float("nan")) for r in reps]),
+        "A_tok_s_ex_engine": stats([r["A"].get("tok_s_ex_engine", float("nan")) for r in reps]),
+        "A_tok_s_job": stats([r["A"]["tok_s_job"] for r in reps]),
+        "ratio_generate_phase": stats([r["ratio_generate_phase"] for r in reps]),
+        "ratio_ex_engine": stats([r["ratio_ex_engine"] for r in reps]),
+        "ratio_job": stats([r["ratio_job"] for r in reps]),
+        "A_phase_median_s": {
+            k: statistics.median(r["A"][k] for r in reps)
+            for k in ("wall_s", "startup_s", "preprocess_s", "engine_init_s", "generate_loop_s", "save_drain_s", "finish_s")
+            if all(k in r["A"] for r in reps)
+        },
+        "B_median_s": statistics.median(r["B"]["seconds"] for r in reps),
+        "engine_init_s": {"A_median": statistics.median(r["A"]["engine_init_s"] for r in reps), "B": init_b},
+    }
+    print(json.dumps(summary), flush=True)
+    out["summary"] = summary
+    out["complete"] = True
+    text = write()
+    print(text)
+    if not args.keep and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # a live engine (B) is not shut down through the interpreter's exit
