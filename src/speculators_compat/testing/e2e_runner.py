@@ -228,6 +228,12 @@ def run(args, progress=None) -> dict:
         variants = ["own"] + (["llama_4_scaling_off"] if l4s is not None else [])
         try:
             got = _vllm_reference(args, model_dir, captured_dtype, ids, seqs_by_case, variants, platform, versions)
+            # vllm_reference returns one tensor per DISTINCT layer (sorted); the capture holds one per
+            # requested id (speculators' default ids repeat one: 1, 2, 2, 3): expand to match
+            distinct = sorted(set(ids))
+            got["variants"] = {v: {n: [[per[distinct.index(i)] for i in ids] for per in seqs]
+                                   for n, seqs in cases.items()}
+                               for v, cases in got["variants"].items()}
             result["vllm_reference"] = {k: got[k] for k in ("init_s", "seconds", "vllm", "worker")}
             references["vllm_own_forward"] = got["variants"]["own"]
             if got.get("margins"):
