@@ -85,6 +85,12 @@ if [[ " $STEPS " == *" faults "* ]]; then
   PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 400 python3 -m speculators_compat.testing.fault_runner --fault recover \
     --timeout 60 --out "$OUT/faults_recover_h200.json" > "$OUT/faults_recover_h200.log" 2>&1; echo "faults rc=$?"
 fi
+# Router near-ties (issue #14): every MoE cell below (mla: HF reference; mlaref / kimi: the engine's own
+# forward, HF recorded beside it) records each reference's router top-k margins (sigmoid +
+# e_score_correction_bias, group-limited top-k) and lists, per case, the rows over the 0.1 row bound
+# it explains by a near-tie (rows_explained, explained_rows: seq, layer, row, error, margin,
+# margin_layer) and those it does not (unexplained_rows, with why); "passed" stays False for any
+# unexplained row. See reference.MARGIN_TIE / EXPLAINED_CAP.
 if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -226,9 +227,13 @@ def run(args, progress=None) -> dict:
     l4s = llama4_scaling.config_value(model_dir)
     references: dict = {}
     controls: dict = {}
+    # router top-k margins of each reference's own forward (issue #14): name -> {case: [{layer: [len]}]}
+    ref_margins: dict = {}
     hf_model = load_hf_model(hf_dir, dtype=captured_dtype, device=device)
     result["hf_class"] = f"{type(hf_model).__module__}.{type(hf_model).__qualname__}"
-    hf_plain = {n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()}
+    hf_plain_margins: dict = {n: [] for n in seqs_by_case}
+    hf_plain = {n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device, margins=hf_plain_margins[n])
+                for n, seqs in seqs_by_case.items()}
     if l4s is not None:
         result["llama_4_scaling"] = {
             "config": l4s,
@@ -239,21 +244,31 @@ def run(args, progress=None) -> dict:
     if l4s is not None and not result["llama_4_scaling"]["hf_implements"]:
         say("HF does not implement llama_4_scaling: HF + the harness's scaling is the HF reference")
         with llama4_scaling.hf_attention_scaling(hf_model, l4s) as calls:
+            ref_margins["hf+harness_llama_4_scaling"] = {n: [] for n in seqs_by_case}
             references["hf+harness_llama_4_scaling"] = {
-                n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device) for n, seqs in seqs_by_case.items()
+                n: hf_layer_outputs(hf_model, seqs, ids, dtype=captured_dtype, device=device,
+                                    margins=ref_margins["hf+harness_llama_4_scaling"][n])
+                for n, seqs in seqs_by_case.items()
             }
         result["llama_4_scaling"]["harness_attention_calls"] = calls["n"]
         controls["hf_without_llama_4_scaling"] = hf_plain
     else:
         references["hf"] = hf_plain
+        ref_margins["hf"] = hf_plain_margins
     del hf_model
     if args.reference == "vllm":
         say("computing the vLLM own-forward reference (plain vllm.LLM, shim disabled, one prompt at a time)")
         variants = ["own"] + (["llama_4_scaling_off"] if l4s is not None else [])
         try:
             got = _vllm_reference(args, model_dir, captured_dtype, ids, seqs_by_case, variants, platform, versions)
+            # vllm_reference returns one tensor per REQUESTED id, as the capture (speculators' default
+            # ids repeat one: 1, 2, 2, 3); compare() fails a sequence whose layer counts differ
             result["vllm_reference"] = {k: got[k] for k in ("init_s", "seconds", "vllm", "worker")}
             references["vllm_own_forward"] = got["variants"]["own"]
+            if got.get("margins"):
+                ref_margins["vllm_own_forward"] = got["margins"]
+            result["vllm_reference"]["routers"] = got.get("routers")
+            result["vllm_reference"]["margin_problems"] = got.get("margin_problems")
             if "llama_4_scaling_off" in got["variants"]:
                 controls["vllm_own_forward_llama_4_scaling_off"] = got["variants"]["llama_4_scaling_off"]
         except Exception as exc:  # noqa: BLE001 - recorded; the cell then fails
@@ -268,12 +283,17 @@ def run(args, progress=None) -> dict:
         torch.save({"layer_ids": ids, "sequences": seqs_by_case,
                     "captured": {n: [[h.cpu() for h in c] for c in cs] for n, cs in captured.items()},
                     "references": {r: {n: [[h.cpu() for h in c] for c in cs] for n, cs in ref.items()}
-                                   for r, ref in references.items()}}, args.save_tensors)
+                                   for r, ref in references.items()},
+                    "margins": ref_margins}, args.save_tensors)
     result["references"] = {}
     for ref_name, ref in references.items():
         result["references"][ref_name] = {}
         for name in seqs_by_case:
-            rep = compare(captured[name], ref[name], dtype=captured_dtype)
+            mg = ref_margins.get(ref_name, {}).get(name)
+            if mg is not None and not any(mg):  # a dense model: no router, no near-tie pass
+                mg = None
+            rep = compare(captured[name], ref[name], dtype=captured_dtype, margins=mg, layer_ids=ids,
+                          token_ids=seqs_by_case[name] if mg is not None else None)
             worst = rep.worst_row
             if worst is not None:  # name the layer, not its index in the compared list
                 worst = {"sequence": worst["sequence"], "layer": ids[worst["layer_index"]],
@@ -285,6 +305,19 @@ def run(args, progress=None) -> dict:
                 "row_quantiles": rep.row_quantiles,
                 "max_row_error": worst["error"] if worst else None,
             }
+            if rep.margin_tie is not None:  # router near-ties of this reference (issue #14)
+                keys = ("sequence", "layer", "row", "error", "margin", "margin_layer")
+                result["references"][ref_name][name].update({
+                    "margin_tie": rep.margin_tie,
+                    "margin_quantiles": rep.margin_quantiles,
+                    "rows_explained": len(rep.explained),
+                    "rows_unexplained": len(rep.unexplained),
+                    "max_error_unexplained": max((e for r in rep.errors_unexplained for e in r), default=0.0),
+                    "explained_rows_fields": list(keys),
+                    "explained_rows": [[x[k] for k in keys] for x in rep.explained],
+                    "unexplained_rows": [{k: _finite(x[k]) for k in keys + ("norm_ratio", "nearest_other_row", "why")}
+                                         for x in rep.unexplained],
+                })
     if controls:
         result["negative_controls"] = {
             c: {name: _control_report(captured[name], ref[name], seqs_by_case[name], l4s, captured_dtype)
@@ -313,6 +346,9 @@ def run(args, progress=None) -> dict:
         case["worst_row"] = verdict.get("worst_row") if verdict else None
         case["rows_over_row_tolerance"] = verdict.get("rows_over_row_tolerance") if verdict else None
         case["row_quantiles"] = verdict.get("row_quantiles") if verdict else None
+        for key in ("margin_tie", "rows_explained", "rows_unexplained", "max_error_unexplained"):
+            if verdict and key in verdict:
+                case[key] = verdict[key]
         case["passed"] = bool(verdict and verdict["passed"]) and case["shapes_ok"]
         case["summary"] = verdict["summary"] if verdict else f"no {primary} reference: {result.get('vllm_reference')}"
         case["tokens_per_s"] = case["tokens"] / case["seconds"] if case["seconds"] else None
@@ -327,6 +363,11 @@ def run(args, progress=None) -> dict:
         "repeat"
     ]["identical"]
     return result
+
+
+def _finite(v):
+    """JSON has no inf/NaN: those become None (a margin of inf: no MoE layer at or before)."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def reference_tolerance(dtype) -> float:

@@ -17,7 +17,14 @@ Run as a subprocess (vLLM spawns its engine; the caller's process has the shim a
 
 ``IN.pt``: ``{"model_dir", "arch", "dtype", "max_model_len", "layer_ids", "batches": {name:
 [[ids]]}, "variants": [...], "engine_kwargs": {...}}``; ``OUT.pt``: ``{"variants": {variant:
-{name: [[tensor [len, hidden] per requested layer id] per sequence]}}, "init_s", "seconds", "vllm"}``.
+{name: [[tensor [len, hidden] per requested layer id] per sequence]}}, "margins": {name: [{layer:
+[len]} per sequence]}, "routers", "init_s", "seconds", "vllm"}``.
+
+Router margins (issue #14): forward hooks on every MoE layer's ``mlp.gate`` read the router
+logits the engine's own forward computed; ``reference.router_margins`` turns them into the
+per-token top-k margin (softmax, or DeepSeek-V3's sigmoid + e_score_correction_bias with
+group-limited top-k, per the model config), so a bf16 outlier row can be checked against the
+reference's near-ties.
 """
 
 from __future__ import annotations
@@ -39,9 +46,42 @@ def _inner(model):
     raise RuntimeError(f"no decoder layers on {type(model).__qualname__}")
 
 
+def _router_spec(layer, config):
+    """(gate module, router_margins spec) of a vLLM decoder layer's MoE router, or None."""
+    mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+    gate = getattr(mlp, "gate", None) if mlp is not None else None
+    if gate is None or getattr(mlp, "experts", None) is None:
+        return None
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(mlp, "top_k", None)
+    if top_k is None:
+        return None
+    bias = getattr(gate, "e_score_correction_bias", None)
+    scoring = getattr(config, "scoring_func", None) or ("sigmoid" if bias is not None else "softmax")
+    grouped = getattr(config, "topk_method", None) == "noaux_tc" or bias is not None
+    n_group = int(getattr(config, "n_group", None) or 1) if grouped else 1
+    topk_group = int(getattr(config, "topk_group", None) or n_group) if grouped else 1
+    return gate, {"top_k": int(top_k), "scoring": scoring, "n_group": n_group, "topk_group": topk_group}
+
+
 def _setup(model, layer_ids):
     inner = _inner(model)
-    state = {"rows": {i: [] for i in layer_ids}, "handles": []}
+    state = {"rows": {i: [] for i in layer_ids}, "handles": [], "logits": {}, "routers": {}}
+    config = getattr(inner, "config", None) or getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for i, layer in enumerate(inner.layers):
+        got = _router_spec(layer, config)
+        if got is None:
+            continue
+        gate, spec = got
+        bias = getattr(gate, "e_score_correction_bias", None)
+        state["routers"][i] = dict(spec, bias=None if bias is None else bias.detach().float().cpu().clone())
+        state["logits"][i] = []
+
+        def gate_hook(_module, _args, output, i=i):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            state["logits"][i].append(out.detach().reshape(-1, out.shape[-1]).float().cpu().clone())
+
+        state["handles"].append(gate.register_forward_hook(gate_hook))
 
     def make(i):
         def hook(_module, _args, output):
@@ -54,11 +94,13 @@ def _setup(model, layer_ids):
         state["handles"].append(inner.layers[i].register_forward_hook(make(i)))
     setattr(model, _STATE_ATTR, state)
     return {"model": type(model).__qualname__, "layer": type(inner.layers[0]).__qualname__,
-            "llama_4_scaling": getattr(inner.config, "llama_4_scaling", None)}
+            "llama_4_scaling": getattr(inner.config, "llama_4_scaling", None),
+            "routers": state["routers"]}
 
 
 def _reset(model):
-    for rows in getattr(model, _STATE_ATTR)["rows"].values():
+    state = getattr(model, _STATE_ATTR)
+    for rows in list(state["rows"].values()) + list(state["logits"].values()):
         rows.clear()
     return True
 
@@ -68,6 +110,13 @@ def _collect(model):
 
     state = getattr(model, _STATE_ATTR)
     return [[torch.cat(rows) if rows else None, len(rows)] for _i, rows in sorted(state["rows"].items())]
+
+
+def _collect_logits(model):
+    import torch
+
+    state = getattr(model, _STATE_ATTR)
+    return {i: torch.cat(rows) if rows else None for i, rows in state["logits"].items()}
 
 
 def _set_scaling(model, value):
@@ -101,6 +150,11 @@ def run(spec: dict) -> dict:
     out: dict = {"variants": {}, "init_s": init_s, "vllm": vllm.__version__, "worker": info}
     t1 = time.perf_counter()
     original = info["llama_4_scaling"]
+    routers = info.get("routers") or {}
+    out["routers"] = {i: {k: v for k, v in r.items() if k != "bias"} for i, r in routers.items()}
+    out["margins"] = {}  # router top-k margins of the "own" forward: {case: [{layer: [len]}]}
+    from speculators_compat.testing.reference import router_margins
+
     for variant in spec["variants"]:
         llm.apply_model(functools.partial(_set_scaling, value=None if variant == "llama_4_scaling_off" else original))
         per_batch = {}
@@ -110,6 +164,22 @@ def run(spec: dict) -> dict:
                 llm.apply_model(_reset)
                 llm.generate([{"prompt_token_ids": list(seq)}], params, use_tqdm=False)
                 got = llm.apply_model(_collect)[0]
+                if variant == "own" and routers:
+                    logits = llm.apply_model(_collect_logits)[0]
+                    per = {}
+                    for i, r in routers.items():
+                        z = logits.get(i)
+                        if z is None or z.shape[0] < len(seq):
+                            # the gate ran elsewhere (a fused kernel): no margins for this layer, said so;
+                            # the comparison then explains nothing from it (stricter, never looser)
+                            out.setdefault("margin_problems", []).append(
+                                f"{name}: router of layer {i} saw {None if z is None else z.shape[0]} tokens"
+                                f" for a {len(seq)}-token prompt")
+                            continue
+                        # the prefill's rows (a sampled token's decode step is not run: max_tokens=1)
+                        per[i] = router_margins(z[: len(seq)], r["top_k"], r["scoring"], r["bias"],
+                                                r["n_group"], r["topk_group"])
+                    out["margins"].setdefault(name, []).append(per)
                 by_layer = {}
                 for i, (t, calls) in zip(layer_ids, got):
                     if t is None or t.shape[0] != len(seq):
