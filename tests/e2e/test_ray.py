@@ -14,8 +14,8 @@ of the two must be equal, tensor for tensor (``torch.equal``). A second ``extrac
 finished folder must skip every shard and start no actor.
 
 Fault (issue #18 item 4, "a Ray worker killed mid-call gives a named error within the RPC bound,
-nothing orphaned"): ``extract`` with two actors over three shards, the middle one long (24
-samples); as soon as its first file is written, its actor's process is SIGKILLed (the pid the
+nothing orphaned"): ``extract`` with two actors over three shards, the middle one long (120
+samples, 2 a batch: seconds of window for the kill); as soon as its first file is written, its actor's process is SIGKILLed (the pid the
 run recorded in its ``actor <i>: pid ...`` progress line). ``extract`` must raise
 ``ExtractionError`` naming the shard, the actor and its pid within
 ``SPECULATORS_COMPAT_RPC_TIMEOUT`` (set to ``FAULT_RPC_TIMEOUT`` for the run), every recorded pid
@@ -49,7 +49,7 @@ def _fault_shards(vocab: int = 1000):
 
     rng = random.Random(11)
     out = []
-    for n, longest in [(2, 20), (24, 300), (2, 20)]:
+    for n, longest in [(2, 20), (120, 300), (2, 20)]:
         out.append([{"input_ids": [rng.randrange(1, vocab) for _ in range(rng.randint(2, longest))]} for _ in range(n)])
     return out
 
