@@ -15,9 +15,9 @@ finished folder must skip every shard and start no actor.
 
 Fault (issue #18 item 4, "a Ray worker killed mid-call gives a named error within the RPC bound,
 nothing orphaned"): ``extract`` with two actors over three shards, the middle one long (120
-samples, 2 a batch: seconds of window for the kill); as soon as its first file is written, its actor's process is SIGKILLed (the pid the
-run recorded in its ``actor <i>: pid ...`` progress line). ``extract`` must raise
-``ExtractionError`` naming the shard, the actor and its pid within
+samples, 2 a batch: a window for the kill); as soon as its first file is written, its actor's
+process is SIGKILLed (the pid the run recorded in its ``actor <i>: pid ...`` progress line).
+``extract`` must raise ``ExtractionError`` naming the shard, the actor and its pid within
 ``SPECULATORS_COMPAT_RPC_TIMEOUT`` (set to ``FAULT_RPC_TIMEOUT`` for the run), every recorded pid
 (both actors, their vLLM workers) and every process the run started under the runner must be
 gone, the killed shard must have no marker; a second ``extract`` must compute only the shards
