@@ -32,6 +32,17 @@ and stops. Ray is imported only here (``pip install 'speculators-compat[ray]'``)
 
 ``extract_local`` runs the same shard loop in this process with a generator you built: the
 single-generator reference the data-parallel output is checked against, row for row.
+
+Faults (issue #18, item 4: "a Ray worker killed mid-call gives a named error within the RPC
+bound, nothing orphaned"): each actor's pid, host and descendant pids (its vLLM workers) are
+recorded when it is up (a ``progress`` line ``actor <i>: pid ...``). An actor that dies while it
+runs a shard (``RayActorError``) or whose generator raises (``RayTaskError``) ends ``extract``
+with ``ExtractionError`` naming the shard, its files, the actor, its pid and host and the cause;
+the other actors are killed at once (their shards in flight have no marker either), then every
+recorded pid on this host still running after a grace of ``KILL_GRACE_S`` is SIGKILLed (checked
+by its start time, so a reused pid is left alone). Detection is Ray's (the actor's process exit);
+a hung vLLM worker is bounded by the shim's ``SPECULATORS_COMPAT_RPC_TIMEOUT`` inside the actor.
+The next ``extract`` redoes only the shards without a marker.
 """
 
 from __future__ import annotations
@@ -43,9 +54,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from speculators_compat.extraction.errors import ExtractionError, context, describe_exception
+
 __all__ = ["extract", "extract_local", "plan", "pending", "run_shard", "ShardSpec"]
 
 MARKER_DIR = ".shards"
+KILL_GRACE_S = 10.0
 FILE_PATTERN = "data_{idx}.pt"
 
 
@@ -203,6 +217,61 @@ def _summary(specs, todo, done, seconds) -> dict:
     }
 
 
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return sorted(out)
+
+
+def _reap(recorded: list[dict], grace: float = KILL_GRACE_S) -> list[int]:
+    """SIGKILL every recorded pid on this host still running (same start time) after ``grace``
+    seconds; returns the pids it had to kill."""
+    import signal
+    import socket
+
+    host = socket.gethostname()
+    mine = {}
+    for rec in recorded:
+        if rec.get("host") == host:
+            mine[rec["pid"]] = rec.get("start")
+            mine.update({int(p): t for p, t in rec.get("descendants", {}).items()})
+    live = lambda: [p for p, t in mine.items() if t is not None and _start_time(p) == t]  # noqa: E731
+    deadline = time.monotonic() + grace
+    while live() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for p in live():
+        try:
+            os.kill(p, signal.SIGKILL)
+            killed.append(p)
+        except OSError:
+            pass
+    return killed
+
+
 class _Extractor:
     """A Ray actor's body: one generator, kept for every shard the actor is handed."""
 
@@ -215,6 +284,13 @@ class _Extractor:
 
     def run(self, spec: dict, samples, out_dir, batch_size):
         return run_shard(self.generator, ShardSpec(**spec), samples, out_dir, batch_size)
+
+    def pids(self) -> dict:
+        """This actor's pid and host and its descendants (the vLLM workers), each with its start time."""
+        import socket
+
+        return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+                "descendants": {p: _start_time(p) for p in _descendants(os.getpid())}}
 
     def close(self):
         gen, self.generator = self.generator, None
@@ -261,18 +337,28 @@ def extract(model: str, layer_ids, shards, out_dir, *, num_actors: int = 1, batc
     Actor = ray.remote(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)(_Extractor)
     n = min(num_actors, len(todo))
     actors = []
+    recorded: list[dict] = []
     done: list[dict] = []
+    failed = False
     try:
         for i in range(n):
             env = actor_env(i) if callable(actor_env) else dict(actor_env or {})
             actors.append(Actor.remote(model, layer_ids, kwargs, env))
+        for i, a in enumerate(actors):
+            try:
+                rec = ray.get(a.pids.remote())
+            except ray.exceptions.RayError as exc:
+                raise ExtractionError(f"actor {i} did not start its generator: {_cause(exc)}\n[{context()}]") from exc
+            recorded.append(rec)
+            if progress:
+                progress(f"actor {i}: pid {rec['pid']} on {rec['host']}, descendant pid(s) {sorted(rec['descendants'])}")
         queue = list(todo)
         inflight: dict = {}
 
         def hand(actor_i):
             spec = queue.pop(0)
             ref = actors[actor_i].run.remote(spec.as_dict(), shards[spec.index], str(out), batch_size)
-            inflight[ref] = actor_i
+            inflight[ref] = (actor_i, spec)
 
         for i in range(n):
             if queue:
@@ -280,21 +366,46 @@ def extract(model: str, layer_ids, shards, out_dir, *, num_actors: int = 1, batc
         while inflight:
             ready, _ = ray.wait(list(inflight), num_returns=1)
             ref = ready[0]
-            actor_i = inflight.pop(ref)
-            stats = ray.get(ref)
+            actor_i, spec = inflight.pop(ref)
+            try:
+                stats = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                rec = recorded[actor_i]
+                what = "the actor died" if isinstance(exc, ray.exceptions.RayActorError) else "its generator failed"
+                raise ExtractionError(
+                    f"shard {spec.index} (files data_{spec.first}..data_{spec.first + spec.count - 1}) on actor "
+                    f"{actor_i} (pid {rec['pid']} on {rec['host']}): {what}: {_cause(exc)}; the shard has no "
+                    f"marker, the next extract redoes it\n[{context()}]") from exc
             done.append(stats)
             if progress:
                 progress(_line(stats, len(specs), f" (actor {actor_i})"))
             if queue:
                 hand(actor_i)
+    except BaseException:
+        failed = True
+        raise
     finally:
         for a in actors:
-            try:
-                ray.get(a.close.remote(), timeout=120)
-            except Exception:  # noqa: BLE001 - a failed actor is killed below either way
-                pass
+            if not failed:
+                try:
+                    ray.get(a.close.remote(), timeout=120)
+                except Exception:  # noqa: BLE001 - a failed actor is killed below either way
+                    pass
             ray.kill(a)
         if started:
             ray.shutdown()
+        if failed and recorded:
+            killed = _reap(recorded)
+            if progress and killed:
+                progress(f"killed leftover pid(s) {killed}")
     done.sort(key=lambda s: s["index"])
     return _summary(specs, todo, done, time.perf_counter() - t0)
+
+
+def _cause(exc: BaseException) -> str:
+    """A Ray error's cause in one line: the actor's death or the task's own exception."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return describe_exception(cause)
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else '(no message)'}"

@@ -201,3 +201,27 @@ def test_extract_without_ray_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(ImportError, match=r"speculators-compat\[ray\]"):
         dataparallel.extract("m", [0], [[[1]]], tmp_path, num_actors=2)
+
+
+def test_reap_kills_recorded_leftovers_and_spares_a_reused_pid(tmp_path):
+    """The orphan guard of a failed ``extract``: a recorded pid still running is SIGKILLed after
+    the grace; one whose start time differs (a reused pid) and one already gone are left alone."""
+    import socket
+
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        rec = {"host": socket.gethostname(), "pid": left.pid, "start": dataparallel._start_time(left.pid),
+               "descendants": {other.pid: "1", gone.pid: "2"}}
+        killed = dataparallel._reap([rec], grace=0.2)
+        assert killed == [left.pid]
+        assert left.wait(5) == -signal.SIGKILL
+        assert other.poll() is None
+        assert dataparallel._reap([{**rec, "host": "elsewhere"}], grace=0) == []
+    finally:
+        for p in (left, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
