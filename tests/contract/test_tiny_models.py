@@ -59,8 +59,17 @@ def test_import_does_not_pull_torch():
     subprocess.run(env_cmd, check=True, env=env)
 
 
+def _skip_without_hf_class(arch):
+    from speculators_compat.testing.tiny_models import hf_unsupported_reason
+
+    reason = hf_unsupported_reason(arch)
+    if reason:
+        pytest.skip(reason)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_build_is_deterministic_and_cached(arch, tmp_path):
+    _skip_without_hf_class(arch)
     a = build_tiny_model(arch, tmp_path / "a")
     b = build_tiny_model(arch, tmp_path / "b")
     assert a.name == b.name
@@ -78,6 +87,7 @@ def test_build_is_deterministic_and_cached(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_hook_reference_matches_output_hidden_states(arch, model_root):
+    _skip_without_hf_class(arch)
     d = build_tiny_model(arch, model_root)
     model = load_hf_model(d, "float32")
     cfg = getattr(model.config, "text_config", None) or model.config  # multimodal: the text decoder's

@@ -544,8 +544,28 @@ def _checkpoint_key(arch: str, key: str) -> str:
     return key
 
 
+def hf_unsupported_reason(arch: str) -> str | None:
+    """Why the installed transformers cannot build ``arch`` (no config class for its model type),
+    or None. Kimi-K2.5 ships its own config code (remote code), so it is always buildable."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}")
+    if arch == "kimi_k25":
+        return None
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if _MODEL_TYPE[arch] not in CONFIG_MAPPING:
+        return (f"transformers {transformers.__version__} has no {_MODEL_TYPE[arch]!r} config "
+                f"(arch {arch!r} needs a newer transformers)")
+    return None
+
+
 def _make_config(arch: str, kwargs: dict):
     from transformers import AutoConfig
+
+    reason = hf_unsupported_reason(arch)
+    if reason:
+        raise ValueError(reason)
 
     cfg = AutoConfig.for_model(_MODEL_TYPE[arch], **kwargs)
     # Some keys (e.g. topk_method, scoring_func for deepseek_v3) are not constructor
