@@ -132,7 +132,8 @@ def main(argv=None) -> int:
             cell = fut.result()
             results.append(cell)
             unpatched = futs[fut][3]
-            bad = cell["passed"] is not False if unpatched else cell["passed"] is not True
+            # an unpatched control is as expected when it does not pass (a wrong result or an error)
+            bad = cell["passed"] is True if unpatched else cell["passed"] is not True
             failed += bad
             print(f"sweep: [{len(results)}/{len(futs)}] {cell['cell']}: "
                   f"{'passed' if cell['passed'] else 'FAILED'} {cell['error'] or ''} ({cell['seconds']}s)",
