@@ -47,7 +47,10 @@ def main(argv=None) -> int:
     }
     batches["truncated"] = [s[: args.max_model_len - 1] for s in batches["truncated"]]
     models = {d: load_hf_model(model_dir, dtype=d) for d in ("float32", "bfloat16")}
-    out: dict = {"arch": args.arch, "model_dir": model_dir.name, "layer_ids": ids, "seed": args.seed, "cases": {}}
+    from speculators_compat.testing.provenance import provenance
+
+    out: dict = {"provenance": provenance(), "arch": args.arch, "model_dir": model_dir.name, "layer_ids": ids,
+                 "seed": args.seed, "cases": {}}
     for name, seqs in batches.items():
         ref = hf_layer_outputs(models["float32"], seqs, ids, dtype="float32")
         low = hf_layer_outputs(models["bfloat16"], seqs, ids, dtype="bfloat16")
