@@ -58,7 +58,9 @@ def main(out_path: str, dtype_name: str = "float32") -> None:
     qc["ignore"] = ["lm_head"]
     cfg["quantization_config"] = qc
     json.dump(cfg, open(os.path.join(qdir, "config.json"), "w"), indent=1)
-    result = {"model": "tiny llama, every decoder Linear W4A16 (pack-quantized, int4 sym, group 32)",
+    from speculators_compat.testing.provenance import provenance
+
+    result = {"provenance": provenance(), "model": "tiny llama, every decoder Linear W4A16 (pack-quantized, int4 sym, group 32)",
               "quantized_linears": n, "dtype": dtype_name, "versions": {k: v.version for k, v in installed_versions().items()}}
     try:
         dtype = getattr(torch, dtype_name)
