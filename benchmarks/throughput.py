@@ -119,6 +119,26 @@ def _device_memory(gen, llm, xllm) -> dict:
     return out
 
 
+def median_ci95(values: list[float]) -> list[float] | None:
+    """Distribution-free 95 % confidence interval of the median of paired per-repetition ratios:
+    order statistics (k, n+1-k) with the largest k such that P(Binomial(n, 1/2) < k) <= 2.5 %.
+    None below 6 values (no such k)."""
+    import math
+
+    xs = sorted(values)
+    n = len(xs)
+    k, cum = 0, 0.0
+    while True:
+        p = math.comb(n, k) / 2**n
+        if cum + p > 0.025:
+            break
+        cum += p
+        k += 1
+    if k == 0:
+        return None
+    return [xs[k - 1], xs[n - k]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="llama")
@@ -326,6 +346,7 @@ def main() -> int:
             row["capture_cost_median"] = statistics.median(cost)  # > 1: what the extra layers cost
             row["capture_cost_min"] = min(cost)
             row["capture_cost_max"] = max(cost)
+            row["capture_cost_median_ci95"] = median_ci95(cost)
             if native_s:
                 # shim/native = (shim_1layer/native: driver vs LLM front end) x (shim/shim_1layer: capture)
                 row["driver_vs_native_median"] = statistics.median(n / s1 for s1, n in zip(shim1_s, native_s))

@@ -200,3 +200,40 @@ def test_router_margins_softmax_and_grouped_sigmoid():
     # holds no selected expert and the dropped group's best (0.1) is below 0.8: only the expert margin
     assert m3 == pytest.approx(0.8 - 0.5, abs=1e-5)
     assert math.isinf(router_margins(torch.zeros(1, 2), 2)[0].item())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_margins_on_the_installed_transformers(arch):
+    """hf_layer_outputs(margins=...) on the installed transformers: transformers 4.57's
+    DeepseekV3TopkRouter returns (topk_indices, topk_weights), not logits (the first hook read
+    the indices as logits: "size of tensor a (2) must match ... (8)"). The margins must come
+    out for every MoE layer whose router ran, one finite value per token."""
+    pytest.importorskip("transformers")
+    from speculators_compat.testing import build_tiny_model
+    from speculators_compat.testing.reference import _hf_router, decoder_layers, hf_layer_outputs, load_hf_model
+
+    model = load_hf_model(build_tiny_model(arch), dtype="float32")
+    seq = list(range(5, 69))
+    picked = {}
+
+    def record(i):
+        def hook(_m, _a, out):
+            picked.setdefault(i, out)
+        return hook
+
+    handles = []
+    for i, layer in enumerate(decoder_layers(model)):
+        got = _hf_router(layer)
+        if got is not None:
+            handles.append(got[0].register_forward_hook(record(i)))
+    margins: list = []
+    try:
+        hf_layer_outputs(model, [seq], [1], margins=margins)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(margins) == 1 and margins[0], "no MoE layer measured"
+    assert set(margins[0]) == set(picked)
+    for i, m in margins[0].items():
+        assert m.shape == (len(seq),), (i, m.shape)
+        assert torch.isfinite(m).all(), i

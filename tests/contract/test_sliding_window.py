@@ -21,17 +21,55 @@ from speculators_compat.testing import build_tiny_model  # noqa: E402
 from speculators_compat.testing.tiny_models import MISTRAL_SLIDING_WINDOW  # noqa: E402
 
 
-@pytest.mark.parametrize("arch, want", [("mistral", MISTRAL_SLIDING_WINDOW), ("gemma3", None), ("llama", None)])
-def test_the_window_is_the_engines_own(arch, want, monkeypatch):
+def _engine_and_ours(model: str):
     from vllm.config import ModelConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = str(build_tiny_model(arch))
     engine = EngineArgs(model=model, max_model_len=2048, enforce_eager=True).create_engine_config()
     ours = engine_sliding_window(ModelConfig(model=model, max_model_len=2048, enforce_eager=True))
-    assert engine.cache_config.sliding_window == want
-    assert ours == engine.cache_config.sliding_window
+    return engine.cache_config.sliding_window, ours
+
+
+@pytest.mark.parametrize("arch, want", [("mistral", MISTRAL_SLIDING_WINDOW), ("gemma3", None), ("llama", None)])
+def test_the_window_is_the_engines_own(arch, want, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine, ours = _engine_and_ours(str(build_tiny_model(arch)))
+    assert engine == want
+    assert ours == engine
+
+
+# Configs on which vLLM's two rules disagree: up to 0.26 "not interleaved" gives a window to a
+# model whose layer_types are all full_attention (one type), from 0.29 "all sliding" gives none;
+# explicit all-sliding layer_types get the window under both.
+RULE_CASES = {
+    "all-full-layer-types": {"layer_types": ["full_attention"] * 4},
+    "all-sliding-layer-types": {"layer_types": ["sliding_attention"] * 4},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RULE_CASES))
+def test_the_window_follows_the_installed_rule(case, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = build_tiny_model("mistral", overrides=RULE_CASES[case])
+    engine, ours = _engine_and_ours(str(model))
+    assert ours == engine, f"{case}: engine {engine}, patch {ours}"
+    if case == "all-sliding-layer-types":
+        assert engine == MISTRAL_SLIDING_WINDOW
+
+
+def test_an_unknown_rule_fails_the_probe(monkeypatch):
+    """A create_engine_config with neither rule's marker: the probe says what it expected."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from speculators_compat.patches import engine_options
+
+    def create_engine_config(self):
+        return self.model
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", create_engine_config)
+    assert engine_options.sliding_window_rule(EngineArgs.create_engine_config) is None
+    problem = engine_options._probe(None)
+    assert problem and "sliding_window" in problem and "is_interleaved" in problem
 
 
 def test_the_generators_config_carries_the_window(monkeypatch):

