@@ -95,7 +95,17 @@ def release(version: str | None) -> str | None:
 
 
 def _vkey(version: str) -> tuple:
-    return tuple(int(x) for x in re.findall(r"\d+", version or "0"))
+    """Sort key: the package's own version parser (speculators_compat.versions.normalize); a
+    name that is no version ("none") sorts after every version."""
+    from packaging.version import InvalidVersion  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from speculators_compat.versions import normalize  # noqa: PLC0415
+
+    try:
+        return (0, normalize(version or "0"), "")
+    except InvalidVersion:
+        return (1, None, str(version))
 
 
 def _one_line(text: str, limit: int = 160) -> str:
