@@ -1,11 +1,11 @@
 """The HF reference loads a multimodal wrapper checkpoint as transformers defines it, even where
 vLLM has registered its own config class for that model_type.
 
-vLLM (0.24 on the H200, with transformers 5.17; 0.16 with 4.57) registers ``KimiK25Config`` under ``kimi_k25``
-in transformers' ``CONFIG_MAPPING``; transformers 5 has its own ``Kimi_K25Config`` and
-``Kimi_K25ForConditionalGeneration``, and its Auto classes refuse the foreign config
-("Unrecognized configuration class ... KimiK25Config"): the Kimi H200 cells died loading HF
-after the engine had run. The reference now loads with transformers' own classes there.
+vLLM registers its own ``KimiK25Config`` under ``kimi_k25`` in transformers' ``CONFIG_MAPPING``;
+transformers 5 has its own ``Kimi_K25Config`` and ``Kimi_K25ForConditionalGeneration``, and its
+Auto classes refuse the foreign config ("Unrecognized configuration class ... KimiK25Config"): the
+Kimi-K2.5 cells on the H200 (benchmarks/results/gpu/logs/, src tree ad638b9) died loading HF after
+the engine had run. The reference now loads with transformers' own classes there.
 """
 
 from __future__ import annotations

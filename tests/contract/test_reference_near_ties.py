@@ -207,18 +207,26 @@ def test_hf_margins_on_the_installed_transformers(arch):
     """hf_layer_outputs(margins=...) on the installed transformers: transformers 4.57's
     DeepseekV3TopkRouter returns (topk_indices, topk_weights), not logits (the first hook read
     the indices as logits: "size of tensor a (2) must match ... (8)"). The margins must come
-    out for every MoE layer whose router ran, one finite value per token."""
+    out for every MoE layer whose router ran, one finite value per token, and the logits they
+    are computed from must be the router's own: equal to its output where that is the logits,
+    else selecting the very experts the router selected."""
     pytest.importorskip("transformers")
     from speculators_compat.testing import build_tiny_model
-    from speculators_compat.testing.reference import _hf_router, decoder_layers, hf_layer_outputs, load_hf_model
+    from speculators_compat.testing.reference import (
+        _hf_router,
+        decoder_layers,
+        hf_layer_outputs,
+        load_hf_model,
+        router_logits,
+    )
 
     model = load_hf_model(build_tiny_model(arch), dtype="float32")
     seq = list(range(5, 69))
-    picked = {}
+    seen = {}
 
     def record(i):
-        def hook(_m, _a, out):
-            picked.setdefault(i, out)
+        def hook(module, args, out):
+            seen.setdefault(i, (module, args, out))
         return hook
 
     handles = []
@@ -233,7 +241,15 @@ def test_hf_margins_on_the_installed_transformers(arch):
         for h in handles:
             h.remove()
     assert len(margins) == 1 and margins[0], "no MoE layer measured"
-    assert set(margins[0]) == set(picked)
+    assert set(margins[0]) == set(seen)
     for i, m in margins[0].items():
         assert m.shape == (len(seq),), (i, m.shape)
         assert torch.isfinite(m).all(), i
+        gate, args, out = seen[i]
+        z = router_logits(gate, args, out)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if first.is_floating_point():  # the router returned its logits: ours are those
+            assert torch.equal(z, first.detach().reshape(z.shape).float()), i
+        else:  # it returned its choice (4.57 DeepSeek-V3): our logits must make the same choice
+            again = gate.get_topk_indices(z.sigmoid())
+            assert torch.equal(again.sort(-1).values, first.sort(-1).values), i

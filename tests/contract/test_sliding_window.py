@@ -10,6 +10,8 @@ and one without a window.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 pytestmark = pytest.mark.contract
@@ -53,8 +55,15 @@ def test_the_window_follows_the_installed_rule(case, monkeypatch):
     model = build_tiny_model("mistral", overrides=RULE_CASES[case])
     engine, ours = _engine_and_ours(str(model))
     assert ours == engine, f"{case}: engine {engine}, patch {ours}"
-    if case == "all-sliding-layer-types":
-        assert engine == MISTRAL_SLIDING_WINDOW
+    from vllm.engine.arg_utils import EngineArgs
+
+    from speculators_compat.patches.engine_options import sliding_window_rule
+
+    rule = sliding_window_rule(EngineArgs.create_engine_config)
+    if case == "all-sliding-layer-types" or rule == "not-interleaved":
+        assert engine == MISTRAL_SLIDING_WINDOW, (case, rule)  # one layer type: "not interleaved"
+    else:
+        assert engine is None, (case, rule)  # all full attention is not "all sliding"
 
 
 def test_an_unknown_rule_fails_the_probe(monkeypatch):
@@ -70,6 +79,8 @@ def test_an_unknown_rule_fails_the_probe(monkeypatch):
     assert engine_options.sliding_window_rule(EngineArgs.create_engine_config) is None
     problem = engine_options._probe(None)
     assert problem and "sliding_window" in problem and "is_interleaved" in problem
+    with pytest.raises(RuntimeError, match="sliding-window rule"):
+        engine_options.engine_sliding_window(types.SimpleNamespace(hf_text_config=None))
 
 
 def test_the_generators_config_carries_the_window(monkeypatch):
