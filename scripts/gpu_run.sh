@@ -169,8 +169,8 @@ fi
 if [[ " $STEPS " == *" capture "* ]]; then
   echo "== capture cost at a wider shape (hidden 4096 x 8 layers, intermediate 8192): 3 layers vs the 1-layer control, shim only"
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/throughput.py --hidden 4096 --layers 8 \
-    --batch ${CAPTURE_BATCH:-32} --prompt-len 512 1024 2048 --reps ${CAPTURE_REPS:-7} --max-model-len 4096 --no-native --capture-control --gpu-util 0.3 --out "$OUT/throughput_h200_h4096_capture.json" \
-    > "$OUT/throughput_h200_h4096_capture.log" 2>&1; echo "capture bench rc=$?"
+    --batch ${CAPTURE_BATCH:-32} --prompt-len ${CAPTURE_LENS:-512 1024 2048} --reps ${CAPTURE_REPS:-7} --max-model-len 4096 --no-native --capture-control --gpu-util 0.3 --out "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.json" \
+    > "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.log" 2>&1; echo "capture bench rc=$?"
 fi
 if [[ " $STEPS " == *" noasync "* ]]; then
   echo "== throughput vs native without async scheduling (as the generator's engine runs)"
