@@ -99,7 +99,8 @@ def _vkey(version: str) -> tuple:
     name that is no version ("none") sorts after every version."""
     from packaging.version import InvalidVersion  # noqa: PLC0415
 
-    sys.path.insert(0, str(ROOT / "src"))
+    if str(ROOT / "src") not in sys.path:
+        sys.path.insert(0, str(ROOT / "src"))
     from speculators_compat.versions import normalize  # noqa: PLC0415
 
     try:
