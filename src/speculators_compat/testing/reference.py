@@ -430,7 +430,12 @@ def router_logits(gate, args, output):
 
     out = output[0] if isinstance(output, (tuple, list)) else output
     weight = getattr(gate, "weight", None)
-    experts = None if weight is None else weight.shape[0]
+    if not (torch.is_tensor(weight) and weight.dim() == 2 and weight.numel() > 0):
+        # vLLM's CPU linear layers pack their weight elsewhere and leave an empty `weight`
+        # (dispatch_cpu_unquantized_gemm, remove_weight): the width comes from the layer's size
+        weight = None
+    experts = weight.shape[0] if weight is not None else (
+        getattr(gate, "output_size", None) or getattr(gate, "out_features", None))
     if torch.is_tensor(out) and out.is_floating_point() and (experts is None or out.shape[-1] == experts):
         return out.detach().reshape(-1, out.shape[-1]).to("cpu", torch.float32).clone()
     if weight is None or not args or not torch.is_tensor(args[0]):
