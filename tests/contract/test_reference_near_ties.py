@@ -253,3 +253,43 @@ def test_hf_margins_on_the_installed_transformers(arch):
         else:  # it returned its choice (4.57 DeepSeek-V3): our logits must make the same choice
             again = gate.get_topk_indices(z.sigmoid())
             assert torch.equal(again.sort(-1).values, first.sort(-1).values), i
+
+
+class _ChoiceRouter(torch.nn.Module):
+    """A router that returns its choice (as transformers 4.57's DeepseekV3TopkRouter), with a
+    bias on its gate: the recomputed logits must include the bias."""
+
+    def __init__(self, hidden=16, experts=8, bias=True):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+        self.bias = torch.nn.Parameter(torch.randn(experts)) if bias else None
+
+    def forward(self, x):
+        z = torch.nn.functional.linear(x.float(), self.weight.float(), self.bias)
+        return z.topk(2, dim=-1).indices, z
+
+
+def test_router_logits_recompute_includes_the_gate_bias():
+    from speculators_compat.testing.reference import router_logits
+
+    torch.manual_seed(0)
+    gate, x = _ChoiceRouter(), torch.randn(5, 16)
+    idx, want = gate(x)
+    got = router_logits(gate, (x,), (idx, want))
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    gate.bias = None  # without the bias the same call must give other logits: the check can fail
+    assert not torch.allclose(router_logits(gate, (x,), (idx, want)), want, atol=1e-3)
+
+
+def test_router_logits_width_from_output_size_when_the_weight_is_packed_away():
+    """vLLM 0.32's CPU linear layers leave an empty ``weight`` after packing it; the logits are
+    the output, one column per expert as ``output_size`` says; a wrong width is refused."""
+    from speculators_compat.testing.reference import router_logits
+
+    gate = torch.nn.Module()
+    gate.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    gate.output_size = 8
+    logits = torch.randn(5, 8)
+    assert torch.equal(router_logits(gate, (torch.randn(5, 16),), (logits, None)), logits)
+    with pytest.raises(RuntimeError, match="not logits"):
+        router_logits(gate, (torch.randn(5, 16),), (torch.randn(5, 7), None))

@@ -99,3 +99,42 @@ def test_wrapper_edits_the_built_config_on_cpu_only(monkeypatch, on_cpu, expecte
 def test_shipped_range(vllm, applies):
     patch = load_matrix(SHIPPED_MATRIX).patches["cpu-rms-norm-native"]
     assert (patch.gate({"speculators": "0.4.0.1", "vllm": vllm}) is None) is applies
+
+
+# --- the sliding-window rule read off create_engine_config's code, in the shapes vLLM wrote it
+
+
+def _rule_interleaved(self, text_config):  # vLLM 0.11-0.26
+    from vllm.transformers_utils.config import is_interleaved  # noqa: F401 - only its name matters
+
+    return None if is_interleaved(text_config) else 1
+
+
+def _rule_getattr(self, text_config):  # vLLM 0.29-0.33
+    layer_types = getattr(text_config, "layer_types", None)
+    return layer_types is None or all(t == "sliding_attention" for t in layer_types)
+
+
+def _rule_attribute_and_tuple(self, text_config):  # a refactor: attribute access, tuple of names
+    return all(t in ("sliding_attention", "chunked_attention") for t in text_config.layer_types)
+
+
+def _rule_neither(self, text_config):
+    return text_config.sliding_window
+
+
+@pytest.mark.parametrize(
+    ("fn", "rule"),
+    [(_rule_interleaved, "not-interleaved"), (_rule_getattr, "all-sliding-layer-types"),
+     (_rule_attribute_and_tuple, "all-sliding-layer-types"), (_rule_neither, None)],
+)
+def test_sliding_window_rule_reads_each_shape(fn, rule):
+    assert engine_options.sliding_window_rule(fn) == rule
+
+
+def test_code_constants_include_tuple_and_frozenset_members():
+    def f(x):
+        return x in ("alpha", "beta") or x in {"gamma", "delta"} or [y for y in x if y == "eps"]
+
+    assert {"alpha", "beta", "gamma", "delta", "eps"} <= engine_options._code_constants(f)
+    assert "x" not in engine_options._code_constants(f)

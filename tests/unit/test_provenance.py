@@ -121,3 +121,18 @@ def test_stamp_describes_the_root_it_is_given(tmp_path):
     (repo / "src" / "a.py").write_text("x = 2\n")
     with pytest.raises(RuntimeError, match="refusing to stamp"):
         prov.stamp(repo)
+
+
+def test_scrub_paths_after_an_escaped_newline(tmp_path):
+    """A traceback stored through repr() joins lines with a literal backslash-n; the path after
+    it is a machine path all the same (two arch JSONs kept one), and it ends at the next escape."""
+    s = "/"
+    root = tmp_path / "checkout"
+    text = ("warning\\n" + s + "work/x/.bed/envs/spec-0.4.0.1_vllm-0.32.0/lib/python3.12/site-packages/vllm/a.py"
+            "\\n  next line\\t" + s + "tmp/out.json")
+    out = prov.scrub_paths(text, root)
+    assert s + "work/" not in out and s + "tmp/" not in out, out
+    assert "<env>/site-packages/vllm/a.py\\n  next line" in out, out
+    # a path inside a word is not a machine path (a/work/b), nor is an escape alone
+    assert prov.scrub_paths("a" + s + "work/b", root) == "a" + s + "work/b"
+    assert prov.scrub_paths("a\\nb", root) == "a\\nb"

@@ -86,8 +86,9 @@ def sliding_window_rule(create_engine_config) -> str | None:
     ``"not-interleaved"``, ``"all-sliding-layer-types"``, or None (neither marker found)."""
     if "is_interleaved" in _code_names(create_engine_config):
         return "not-interleaved"
-    consts = _code_constants(create_engine_config)
-    if {"layer_types", "sliding_attention"} <= consts:
+    # layer_types as a string (getattr(cfg, "layer_types")) or as an attribute (cfg.layer_types)
+    words = _code_constants(create_engine_config) | _code_names(create_engine_config)
+    if {"layer_types", "sliding_attention"} <= words:
         return "all-sliding-layer-types"
     return None
 
@@ -157,25 +158,31 @@ def _probe(current):
     return None
 
 
-def _code_names(fn) -> set[str]:
-    """Names a function's code refers to (attributes and globals), or an empty set."""
+def _codes(fn):
+    """The code object of a function (or method) and every code nested in it (comprehensions,
+    generator expressions, inner functions); empty for a callable without Python code."""
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    return set(code.co_names) if code is not None else set()
-
-
-def _code_constants(fn) -> set[str]:
-    """String constants of a function's code and of the code nested in it (comprehensions,
-    generator expressions), or an empty set."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    found: set[str] = set()
     todo = [code] if code is not None else []
     while todo:
         c = todo.pop()
+        yield c
+        todo.extend(k for k in c.co_consts if hasattr(k, "co_consts"))
+
+
+def _code_names(fn) -> set[str]:
+    """Names a function's code and the code nested in it refer to (attributes and globals)."""
+    return {name for c in _codes(fn) for name in c.co_names}
+
+
+def _code_constants(fn) -> set[str]:
+    """String constants of a function's code and of the code nested in it, those inside tuple
+    and frozenset constants (``x in ("a", "b")``) included."""
+    found: set[str] = set()
+    for c in _codes(fn):
         for k in c.co_consts:
-            if isinstance(k, str):
-                found.add(k)
-            elif hasattr(k, "co_consts"):
-                todo.append(k)
+            for v in (k if isinstance(k, (tuple, frozenset)) else (k,)):
+                if isinstance(v, str):
+                    found.add(v)
     return found
 
 

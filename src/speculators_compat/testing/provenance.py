@@ -44,7 +44,7 @@ __all__ = ["provenance", "repo_root", "portable_command", "portable_path", "scru
 # Machine folders a committed result must not name (tests/unit/test_portable_paths.py checks the
 # committed files for these).
 MACHINE_ROOTS = ("work", "root", "home", "tmp", "scratch")
-_ABS = re.compile(r"(?<![\w.~-])/(?:" + "|".join(MACHINE_ROOTS) + r")(?:/[^\s'\"(),:;\]\[<>|`]*)?")
+_ABS = re.compile(r"(?:(?<![\w.~-])|(?<=\\[ntr]))/(?:" + "|".join(MACHINE_ROOTS) + r")(?:/[^\s'\"(),:;\]\[<>|`\\]*)?")
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # .../src/speculators_compat
 

@@ -161,7 +161,7 @@ def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
 
     # a model CLASS decides, not the config key: vLLM registers its own KimiK25Config under
     # kimi_k25 in transformers' CONFIG_MAPPING, which has no model for it (transformers < 5)
-    if not isinstance(text, dict) or _transformers_has_model(cfg.get("model_type")):
+    if not isinstance(text, dict) or _transformers_classes(cfg.get("model_type")) is not None:
         return None
     text_type = text.get("model_type")
     if text_type not in CONFIG_MAPPING:
@@ -195,12 +195,13 @@ def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
     return model.to(torch_dtype)
 
 
-_MODEL_TABLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")
+_MODEL_TABLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+                 "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES")
 
 
 def _transformers_classes(model_type):
     """(config class, model class) transformers itself defines for ``model_type`` (a causal LM,
-    else an image-text-to-text model), or None."""
+    else an image-text-to-text or multimodal LM), or None."""
     import transformers
     from transformers.models.auto import configuration_auto, modeling_auto
 
@@ -212,12 +213,6 @@ def _transformers_classes(model_type):
             if config_cls is not None and model_cls is not None:
                 return config_cls, model_cls
     return None
-
-
-def _transformers_has_model(model_type) -> bool:
-    """Whether this transformers has a causal-LM or image-text-to-text model class for
-    ``model_type`` (what :func:`load_hf_model` loads a checkpoint with)."""
-    return _transformers_classes(model_type) is not None
 
 
 def _with_transformers_own_classes(model_dir: str | Path, kwargs: dict):
@@ -425,7 +420,7 @@ def router_logits(gate, args, output):
     ``(logits, bias)``; transformers 5's DeepSeek-V3 router). Where the router returns its
     choice instead - transformers 4.57's ``DeepseekV3TopkRouter`` gives ``(topk_indices,
     topk_weights)`` - the logits are recomputed from its input as that router computes them,
-    ``F.linear(x.float32, weight.float32)``; the result must then have one column per expert."""
+    ``F.linear(x.float32, weight.float32, bias)``; the result must then have one column per expert."""
     import torch
 
     out = output[0] if isinstance(output, (tuple, list)) else output
@@ -442,7 +437,9 @@ def router_logits(gate, args, output):
         raise RuntimeError(f"router {type(gate).__qualname__}: its output is not logits and it has no weight/input "
                            f"to recompute them from (got {type(out).__name__})")
     x = args[0].detach()
-    z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(torch.float32), weight.detach().to(torch.float32))
+    bias = getattr(gate, "bias", None)
+    bias = bias.detach().to(torch.float32) if torch.is_tensor(bias) and bias.numel() else None
+    z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(torch.float32), weight.detach().to(torch.float32), bias)
     return z.to("cpu").clone()
 
 
