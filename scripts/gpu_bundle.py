@@ -16,7 +16,7 @@ changed recipe fails here, not half-way through a build):
 
     python3 scripts/gpu_bundle.py 0.20.2            # writes .gpu20/ and builds .gpu20/bundle
     python3 scripts/gpu_bundle.py 0.21.0 --no-build # only the recipe
-    GPU_BUNDLE=.gpu20/bundle GPU_SITE=/tmp/site20 GPU_STEPS=e2e bash scripts/gpu_run.sh   # on the H200
+    GPU_BUNDLE=.gpu20/bundle GPU_SITE=${TMPDIR:-/tmp}/site20 GPU_STEPS=e2e bash scripts/gpu_run.sh   # on the H200
 """
 
 from __future__ import annotations
