@@ -2,7 +2,7 @@
 
 ``extraction/capture.py``'s ``_copy_rows`` issues, for every captured layer of every step, one
 ``copy_`` per request span: ``buffers[rid][slot][d:d+n].copy_(stream[src:src+n], non_blocking=True)``
-into host-registered (pinned) memory on a side stream. The hook runs on the thread that launches
+into host-registered (``cudaHostRegister``) memory on a side stream. The hook runs on the thread that launches
 the model's kernels, so host time spent there delays the next layer's launches when the GPU is
 waiting on the host. This measures, on the GPU, that loop's host time per span (launch only,
 not the transfer) against one copy of the same rows per layer (the coalesced alternative), in
@@ -26,8 +26,14 @@ def _measure(spans: int, rows: int, hidden: int, reps: int):
     dev = torch.device("cuda")
     total = spans * rows
     stream = torch.randn(total, hidden, device=dev, dtype=torch.bfloat16)
-    # one host buffer per request, [layers=1, rows, hidden] as the exchange pool lays them out
-    host = torch.empty(spans, 1, rows, hidden, dtype=torch.bfloat16).pin_memory()
+    # one host buffer per request, [layers=1, rows, hidden] as the exchange pool lays them out,
+    # page-locked as the capture does it (cudaHostRegister on plain host memory, not torch's
+    # caching pinned allocator)
+    from speculators_compat.extraction.capture import _host_register, _host_unregister
+
+    host = torch.empty(spans, 1, rows, hidden, dtype=torch.bfloat16)
+    if not _host_register(host):
+        raise RuntimeError("cudaHostRegister failed: the capture would copy unpinned here")
     buffers = {f"r{i}": host[i] for i in range(spans)}
     flat = host.view(total, hidden)
     side = torch.cuda.Stream(device=dev)
@@ -66,6 +72,7 @@ def _measure(spans: int, rows: int, hidden: int, reps: int):
             host_s[name].append(t1 - t0)
             device_s[name].append(t2 - t0)
     ok = torch.equal(flat.view(total, hidden), stream.cpu())
+    _host_unregister(host)
     med = {k: statistics.median(v) for k, v in host_s.items()}
     return {
         "spans": spans,
@@ -73,6 +80,9 @@ def _measure(spans: int, rows: int, hidden: int, reps: int):
         "bytes": total * hidden * 2,
         "host_launch_median_s": med,
         "host_launch_per_span_us": med["per_span"] / spans * 1e6,
+        # what one more span costs: the loop minus the one-copy call's fixed cost (stream
+        # wait, record_stream, context switch), over the spans beyond one
+        "host_launch_marginal_per_span_us": (med["per_span"] - med["coalesced"]) / max(spans - 1, 1) * 1e6,
         "until_copied_median_s": {k: statistics.median(v) for k, v in device_s.items()},
         "host_launch_s": host_s,
         "copied_rows_equal": ok,
@@ -106,7 +116,8 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     for r in rows:
-        print(f"{r['spans']} spans x {r['rows_per_span']} rows: {r['host_launch_per_span_us']:.1f} us host per span "
+        print(f"{r['spans']} spans x {r['rows_per_span']} rows: {r['host_launch_per_span_us']:.1f} us host per span, "
+              f"{r['host_launch_marginal_per_span_us']:.1f} us per extra span "
               f"(per-span loop {r['host_launch_median_s']['per_span'] * 1e3:.2f} ms, one copy "
               f"{r['host_launch_median_s']['coalesced'] * 1e3:.3f} ms), rows equal {r['copied_rows_equal']}")
     if args.out:
