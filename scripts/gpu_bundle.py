@@ -56,8 +56,15 @@ def recipe(version: str, folder: str) -> str:
     s = _replace(s, "[path/to/vllm-0.24.0-*.whl]", f"[path/to/vllm-{version}-*.whl]")
     s = _replace(s, "# Output: .gpu/bundle/", f"# Output: {folder}/bundle/")
     s = _replace(s, "/gpu-bundle-work}", f"/gpu-bundle-work{tag}}}")
-    s = _replace(s, "vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl", f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl")
-    s = _replace(s, "vllm==0.24.0", f"vllm=={version}")
+    # the wheel's file name varies (manylinux_2_35 / _2_24 tags, build tags like -1-): the default
+    # is whatever vllm-VERSION wheel the scratch folder holds, else the recipe downloads one
+    s = _replace(s, "WHEEL=${1:-$WORK/dl/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl}",
+                 f'WHEEL=${{1:-$(ls "$WORK"/dl/vllm-{version}-*.whl 2>/dev/null | head -1 || true)}}\n'
+                 f"WHEEL=${{WHEEL:-$WORK/dl/vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl}}")
+    s = _replace(s, '--platform manylinux_2_28_x86_64 -d "$(dirname "$WHEEL")" vllm==0.24.0',
+                 "--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 "
+                 f'-d "$(dirname "$WHEEL")" vllm=={version}\n'
+                 f'  WHEEL=$(ls "$(dirname "$WHEEL")"/vllm-{version}-*.whl | head -1)')
     if _key(version) < (0, 24):
         s = _replace(s, '[ "$KEEP_MOE" = 1 ] || rm -f "$V"/_moe_C_stable_libtorch.abi3.so\n',
                      '[ "$KEEP_MOE" = 1 ] || rm -f "$V"/_moe_C_stable_libtorch.abi3.so "$V"/_moe_C.abi3.so  # < 0.24: _moe_C.abi3.so\n')
