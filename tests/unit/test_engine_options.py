@@ -115,8 +115,8 @@ def _rule_getattr(self, text_config):  # vLLM 0.29-0.33
     return layer_types is None or all(t == "sliding_attention" for t in layer_types)
 
 
-def _rule_attribute_and_tuple(self, text_config):  # a refactor: attribute access, tuple of names
-    return all(t in ("sliding_attention", "chunked_attention") for t in text_config.layer_types)
+def _rule_attribute_and_tuple(self, text_config):  # a refactor: attribute access, the name in a tuple
+    return text_config.layer_types is None or all(t in ("sliding_attention",) for t in text_config.layer_types)
 
 
 def _rule_neither(self, text_config):
