@@ -12,7 +12,9 @@ changed recipe fails here, not half-way through a build):
 - before 0.24: vLLM also ships ``_C.abi3.so`` (imported by ``platforms/cuda.py``) and names its
   MoE library ``_moe_C.abi3.so`` (both pruned like the others), and
   ``transformers_utils/gguf_utils.py`` imports ``gguf`` on the ``LLM`` import path (its wheel is
-  added).
+  added);
+- then the runtime wheels ``scripts/gpu_prepare.sh`` adds to ``.gpu/bundle`` (this package, wrapt,
+  loguru) and the checksums again (``add_runtime_wheels``).
 
     python3 scripts/gpu_bundle.py 0.20.2            # writes .gpu20/ and builds .gpu20/bundle
     python3 scripts/gpu_bundle.py 0.21.0 --no-build # only the recipe
@@ -92,6 +94,24 @@ def download_wheel(version: str, dest: Path) -> Path:
     return Path(have[0])
 
 
+def add_runtime_wheels(bundle: Path) -> None:
+    """What ``scripts/gpu_prepare.sh`` adds to ``.gpu/bundle`` besides the recipe's wheels: this
+    package as a wheel and the two pure wheels its import and speculators' need that the image
+    lacks (wrapt, loguru); then the bundle's checksums again."""
+    whl = bundle / "whl"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+                    "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
+                    "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64",
+                    "-d", str(whl), "wrapt==2.5.2", "loguru==0.7.3"], check=True)
+    for old in whl.glob("speculators_compat-*.whl"):
+        old.unlink()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(whl), str(ROOT)], check=True)
+    files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
+    sums = subprocess.run(["sha256sum", *[f"./{p.relative_to(bundle)}" for p in files]], cwd=bundle, check=True,
+                          capture_output=True, text=True).stdout
+    (bundle / "SHA256SUMS").write_text(sums)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("version", help="CUDA vLLM release, e.g. 0.20.2")
@@ -114,7 +134,10 @@ def main(argv=None) -> int:
         return 0
     work = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"gpu-bundle-work{folder.lstrip('.').replace('gpu', '')}"
     wheel = download_wheel(args.version, work / "dl")
-    return subprocess.run(["bash", str(out / "build.sh"), str(wheel)], cwd=ROOT).returncode
+    rc = subprocess.run(["bash", str(out / "build.sh"), str(wheel)], cwd=ROOT).returncode
+    if rc == 0:
+        add_runtime_wheels(out / "bundle")
+    return rc
 
 
 if __name__ == "__main__":
