@@ -6,9 +6,9 @@ runs from a bundle built by the same recipe with these edits, each asserted to m
 changed recipe fails here, not half-way through a build):
 
 - the version everywhere (pin, output folder ``.gpuNN/bundle``, scratch ``gpu-bundle-workNN``);
-- the wheel: downloaded here for any of the manylinux tags vLLM used (0.20.x ships
-  ``manylinux_2_35``, 0.21.0 ``manylinux_2_24``, 0.23.0 a build tag ``-2-``) and passed to the
-  recipe as its argument;
+- the wheel: whichever ``vllm-VERSION-*.whl`` the scratch folder holds, else the recipe downloads
+  it for any of the manylinux tags vLLM used (0.20.x ships ``manylinux_2_35``, 0.21.0
+  ``manylinux_2_24``, 0.23.0 a build tag ``-2-``);
 - before 0.24: vLLM also ships ``_C.abi3.so`` (imported by ``platforms/cuda.py``) and names its
   MoE library ``_moe_C.abi3.so`` (both pruned like the others), and
   ``transformers_utils/gguf_utils.py`` imports ``gguf`` on the ``LLM`` import path (its wheel is
@@ -24,19 +24,15 @@ changed recipe fails here, not half-way through a build):
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / ".gpu" / "build.sh"
 HELPERS = ("prune_fatbin.py", "make_model.py", "smoke.py", "smoke.sh", "probe_imports.py")
-PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+
 
 
 def _key(version: str) -> tuple[int, ...]:
@@ -79,25 +75,10 @@ def recipe(version: str, folder: str) -> str:
     return s
 
 
-def download_wheel(version: str, dest: Path) -> Path:
-    """vLLM ``version``'s CUDA wheel (cp38-abi3, any manylinux tag it was published with)."""
-    have = sorted(glob.glob(str(dest / f"vllm-{version}-*.whl")))
-    if not have:
-        dest.mkdir(parents=True, exist_ok=True)
-        plat = [a for p in PLATFORMS for a in ("--platform", p)]
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "--implementation", "cp", *plat, "-d", str(dest),
-                        f"vllm=={version}"], check=True)
-        have = sorted(glob.glob(str(dest / f"vllm-{version}-*.whl")))
-    if len(have) != 1:
-        raise SystemExit(f"gpu_bundle: expected one vllm-{version} wheel in {dest}, found {len(have)}")
-    return Path(have[0])
-
-
 def add_runtime_wheels(bundle: Path) -> None:
-    """What ``scripts/gpu_prepare.sh`` adds to ``.gpu/bundle`` besides the recipe's wheels: this
-    package as a wheel and the two pure wheels its import and speculators' need that the image
-    lacks (wrapt, loguru); then the bundle's checksums again."""
+    """The wheels every bundle needs besides the recipe's (``scripts/gpu_prepare.sh`` adds them to
+    ``.gpu/bundle`` through this too): this package as a wheel and the two its import and
+    speculators' need that the image lacks (wrapt, loguru); then the bundle's checksums again."""
     whl = bundle / "whl"
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                     "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
@@ -114,10 +95,17 @@ def add_runtime_wheels(bundle: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("version", help="CUDA vLLM release, e.g. 0.20.2")
+    ap.add_argument("version", nargs="?", help="CUDA vLLM release, e.g. 0.20.2")
+    ap.add_argument("--runtime-wheels", metavar="BUNDLE", default=None,
+                    help="only add the runtime wheels to BUNDLE and re-checksum it (gpu_prepare.sh, for .gpu/bundle)")
     ap.add_argument("--folder", default=None, help="bundle folder (default .gpuNN, NN the minor version)")
     ap.add_argument("--no-build", action="store_true", help="write the recipe only")
     args = ap.parse_args(argv)
+    if args.runtime_wheels:
+        add_runtime_wheels(ROOT / args.runtime_wheels)
+        return 0
+    if not args.version:
+        ap.error("give a vLLM version (or --runtime-wheels BUNDLE)")
     if not RECIPE.exists():
         print("gpu_bundle: .gpu/build.sh missing: run scripts/gpu_prepare.sh first (it copies the shared recipe)",
               file=sys.stderr)
@@ -132,9 +120,7 @@ def main(argv=None) -> int:
     print(f"gpu_bundle: wrote {folder}/build.sh for vLLM {args.version}")
     if args.no_build:
         return 0
-    work = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"gpu-bundle-work{folder.lstrip('.').replace('gpu', '')}"
-    wheel = download_wheel(args.version, work / "dl")
-    rc = subprocess.run(["bash", str(out / "build.sh"), str(wheel)], cwd=ROOT).returncode
+    rc = subprocess.run(["bash", str(out / "build.sh")], cwd=ROOT).returncode
     if rc == 0:
         add_runtime_wheels(out / "bundle")
     return rc

@@ -10,9 +10,8 @@ mkdir -p .gpu
 W=.gpu/bundle/whl
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d $W \
-  "wrapt==2.5.2" "loguru==0.7.3" "compressed-tensors==0.17.0" 2>&1 | grep -v "is ignored" || true
-rm -f $W/speculators_compat-*.whl
-uv build -q --wheel -o $W . 2>/dev/null || python3 -m pip wheel -q --no-deps -w $W .
+  "compressed-tensors==0.17.0" 2>&1 | grep -v "is ignored" || true
+python3 scripts/gpu_bundle.py --runtime-wheels .gpu/bundle  # this package, wrapt, loguru (every bundle's); checksums
 mkdir -p .gpu/spec
 for v in 0.3.0 0.4.0.1; do
   ls .gpu/spec/speculators-$v-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps -d .gpu/spec speculators==$v 2>&1 | grep -v "is ignored" || true
@@ -26,6 +25,5 @@ if [ "${MOE:-0}" = 1 ]; then
   # (vLLM 0.24's MLA backends compute prefill with FA3/FA2, FlashInfer or TRT-LLM; TRITON_MLA only decodes)
   unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -9e -T0 > .gpu-moe/_vllm_fa3_C.xz
 fi
-(cd .gpu/bundle && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum > SHA256SUMS)
 du -sh .gpu/bundle .gpu/spec .gpu-moe 2>/dev/null || true
 echo "carry total: $(du -scb .gpu/bundle .gpu/spec | tail -1 | cut -f1) bytes (+ checkout)"
