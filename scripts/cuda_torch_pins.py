@@ -1,0 +1,109 @@
+"""Which CUDA vLLM releases pair with the H200 image's torch, and which of them ran there.
+
+For every vLLM release from --first to --last (PyPI's release list), pip resolves the CUDA wheel
+for CPython 3.12 on manylinux x86_64 without installing it (`--dry-run --report`, metadata only)
+and the wheel's own `Requires-Dist: torch` pin is recorded. `run_on_the_h200` is read from the
+committed GPU results: a clean e2e JSON under benchmarks/results/gpu/ whose provenance names HEAD's
+src tree and whose `versions.vllm` is that release (the same rule as scripts/update_tested.py).
+
+    python3 scripts/cuda_torch_pins.py [--image-torch 2.11.0] [--out benchmarks/results/gpu/cuda_wheel_torch_pins.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from speculators_compat.testing.provenance import provenance  # noqa: E402
+
+PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+
+
+def _key(v: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else -1 for p in v.split("."))
+
+
+def releases(first: str, last: str) -> list[str]:
+    with urllib.request.urlopen("https://pypi.org/pypi/vllm/json", timeout=60) as r:
+        data = json.load(r)
+    out = []
+    for v, files in data["releases"].items():
+        if not all(p.isdigit() for p in v.split(".")):
+            continue  # pre-releases, post/dev tags
+        if not any(f["filename"].endswith(".whl") and not f.get("yanked") for f in files):
+            continue
+        if _key(first) <= _key(v) <= _key(last):
+            out.append(v)
+    return sorted(out, key=_key)
+
+
+def wheel_pin(version: str) -> tuple[str, list[str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "R.json"
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
+               "--quiet", "--report", str(report), "--only-binary=:all:", "--python-version", "3.12",
+               "--implementation", "cp"]
+        for p in PLATFORMS:
+            cmd += ["--platform", p]
+        cmd += ["--target", str(Path(tmp) / "T"), f"vllm=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"pip could not resolve vllm=={version}: {proc.stderr.strip()[-400:]}")
+        item = json.loads(report.read_text())["install"][0]
+    wheel = item["download_info"]["url"].rsplit("/", 1)[-1]
+    pins = [r.split(";")[0].replace(" ", "") for r in item["metadata"].get("requires_dist", [])
+            if r.split(";")[0].strip().startswith("torch") and r.split(";")[0].strip()[5:6] in "=<>!~ "]
+    return wheel, pins
+
+
+def run_on_h200(src_tree: str) -> set[str]:
+    ran = set()
+    for f in (ROOT / "benchmarks/results/gpu").rglob("e2e_*.json"):
+        d = json.loads(f.read_text())
+        p = d.get("provenance") or {}
+        if p.get("dirty") is False and p.get("src_tree") == src_tree and d.get("platform") == "cuda":
+            cases = d.get("cases") or {}
+            if cases and all(c.get("passed") for c in cases.values()):
+                ran.add((d.get("versions") or {}).get("vllm"))
+    return ran
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--first", default="0.19.1")
+    ap.add_argument("--last", default="0.33.0")
+    ap.add_argument("--image-torch", default="2.11.0")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu/cuda_wheel_torch_pins.json"))
+    a = ap.parse_args()
+    prov = provenance()
+    ran = run_on_h200(prov["src_tree"])
+    rows = []
+    for v in releases(a.first, a.last):
+        wheel, pins = wheel_pin(v)
+        pairs = f"torch=={a.image_torch}" in pins
+        rows.append({"vllm": v, "wheel": wheel, "torch_pin": pins, "pairs_with_the_h200_image": pairs,
+                     "run_on_the_h200": v in ran})
+        print(f"{v:8} {wheel:55} {','.join(pins):18} pairs={pairs} run={v in ran}")
+    out = {"provenance": prov,
+           "what": (f"the torch each CUDA vLLM wheel pins (its own metadata, read by pip from the package "
+                    f"index), {a.first}-{a.last} (every release in that range); run_on_the_h200: a clean "
+                    f"e2e result at this src tree on the H200 with every case passing; the H200 image "
+                    f"has torch {a.image_torch}"),
+           "image_torch": a.image_torch,
+           "rows": rows,
+           "pair_but_not_run": [r["vllm"] for r in rows if r["pairs_with_the_h200_image"] and not r["run_on_the_h200"]]}
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"pair but not run: {out['pair_but_not_run'] or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
