@@ -3,8 +3,8 @@
 For every vLLM release from --first to --last (PyPI's release list), pip resolves the CUDA wheel
 for CPython 3.12 on manylinux x86_64 without installing it (`--dry-run --report`, metadata only)
 and the wheel's own `Requires-Dist: torch` pin is recorded. `run_on_the_h200` is read from the
-committed GPU results: a clean e2e JSON under benchmarks/results/gpu/ whose provenance names HEAD's
-src tree and whose `versions.vllm` is that release (the same rule as scripts/update_tested.py).
+committed GPU results: a clean, passed e2e JSON under benchmarks/results/gpu/ whose provenance names
+HEAD's src tree and whose `versions.vllm` is that release (the same rule as scripts/update_tested.py).
 
     python3 scripts/cuda_torch_pins.py [--image-torch 2.11.0] [--out benchmarks/results/gpu/cuda_wheel_torch_pins.json]
 """
@@ -70,8 +70,7 @@ def run_on_h200(src_tree: str) -> set[str]:
         d = json.loads(f.read_text())
         p = d.get("provenance") or {}
         if p.get("dirty") is False and p.get("src_tree") == src_tree and d.get("platform") == "cuda":
-            cases = d.get("cases") or {}
-            if cases and all(c.get("passed") for c in cases.values()):
+            if d.get("passed") is True:
                 ran.add((d.get("versions") or {}).get("vllm"))
     return ran
 
@@ -95,7 +94,7 @@ def main() -> int:
     out = {"provenance": prov,
            "what": (f"the torch each CUDA vLLM wheel pins (its own metadata, read by pip from the package "
                     f"index), {a.first}-{a.last} (every release in that range); run_on_the_h200: a clean "
-                    f"e2e result at this src tree on the H200 with every case passing; the H200 image "
+                    f"e2e result at this src tree on the H200 that passed; the H200 image "
                     f"has torch {a.image_torch}"),
            "image_torch": a.image_torch,
            "rows": rows,
