@@ -19,9 +19,10 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 ROOTS = ("work", "root", "home", "tmp", "scratch")
 # an absolute path starts a token: line start, whitespace, a quote, =, (, :, [, {, <, >, a comma,
-# or an escaped newline/tab inside a JSON string ("...\\n" then the path)
-ABS_PATH = re.compile(r"(?:^|(?<=[\s\"'`=(:\[{<>,])|(?<=\\n)|(?<=\\t))/(?:" + "|".join(ROOTS) + r")(?=/[^\s/])",
-                      re.MULTILINE)
+# an escape inside a JSON string ("...\\n" then the path: \\n \\t \\r \\f \\v \\0 \\uXXXX), or the end of
+# an ANSI colour code (ESC[0m, ESC[31m, ESC[m, raw or escaped)
+ABS_PATH = re.compile(r"(?:^|(?<=[\s\"'`=(:\[{<>,\0])|(?<=\\[ntrfv0])|(?<=\\u[0-9a-fA-F]{4})|(?<=\dm)|(?<=\[m))/(?:"
+                      + "|".join(ROOTS) + r")(?=/[^\s/])", re.MULTILINE)
 SHELL_DEFAULT = re.compile(r"\$\{\w+:-/(?:" + "|".join(ROOTS) + r")\b")
 SKIP_SUFFIXES = {".png", ".jpg", ".pt", ".xz", ".gz", ".whl", ".so"}
 
@@ -80,6 +81,11 @@ _S = "/"
         '  File "' + _S + 'home/me/src/x.py", line 3',
         "--out=" + _S + "scratch/out.json",
         _S + "tmp/x",
+        '"traceback": "line one\\r' + _S + 'work/main/src/x.py"',
+        '"log": "\\u001b[0m' + _S + 'root/.cache/x"',
+        "\x1b[31m" + _S + "home/me/x.log\x1b[0m",
+        '"a": "page\\f' + _S + 'scratch/x"',
+        '"a": "nul\\u0000' + _S + 'tmp/x"',
     ],
 )
 def test_planted_path_is_found(tmp_path, planted):
