@@ -1,10 +1,11 @@
-"""Which CUDA vLLM releases pair with the H200 image's torch, and which of them ran there.
+"""Which CUDA vLLM releases pair with the H200 image's torch, and which of them are verified there.
 
 For every vLLM release from --first to --last (PyPI's release list), pip resolves the CUDA wheel
 for CPython 3.12 on manylinux x86_64 without installing it (`--dry-run --report`, metadata only)
 and the wheel's own `Requires-Dist: torch` pin is recorded. `run_on_the_h200` is read from the
-committed GPU results: a clean, passed e2e JSON under benchmarks/results/gpu/ whose provenance names
-HEAD's src tree and whose `versions.vllm` is that release (the same rule as scripts/update_tested.py).
+tested table's rule (scripts/update_tested.py, imported): the CUDA row of that release is "verified"
+(clean results of HEAD's src tree, llama and qwen3 passing); `tested_status` keeps what the table says
+otherwise (stale, broken), and `pair_but_not_verified` lists the pairing releases without a verified row.
 
     python3 scripts/cuda_torch_pins.py [--image-torch 2.11.0] [--out benchmarks/results/gpu/cuda_wheel_torch_pins.json]
 """
@@ -64,15 +65,20 @@ def wheel_pin(version: str) -> tuple[str, list[str]]:
     return wheel, pins
 
 
-def run_on_h200(src_tree: str) -> set[str]:
-    ran = set()
-    for f in (ROOT / "benchmarks/results/gpu").rglob("e2e_*.json"):
-        d = json.loads(f.read_text())
-        p = d.get("provenance") or {}
-        if p.get("dirty") is False and p.get("src_tree") == src_tree and d.get("platform") == "cuda":
-            if d.get("passed") is True:
-                ran.add((d.get("versions") or {}).get("vllm"))
-    return ran
+def verified_on_h200() -> dict[str, str]:
+    """vLLM release -> the tested table's status for CUDA rows, by scripts/update_tested.py's own
+    rule (clean results of HEAD's src tree, every llama/qwen3 cell passing for the pair): a release
+    counts as run when that status is "verified" for a speculators release."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import update_tested as ut
+
+    rows = ut.rows_from(ut.group(ut.load_cells()), ut.head_src_tree())
+    out: dict[str, str] = {}
+    for r in rows:
+        if r.get("platform") == "cuda":
+            prev = out.get(r["vllm"])
+            out[r["vllm"]] = "verified" if "verified" in (prev, r["status"]) else r["status"]
+    return out
 
 
 def main() -> int:
@@ -83,24 +89,24 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu/cuda_wheel_torch_pins.json"))
     a = ap.parse_args()
     prov = provenance()
-    ran = run_on_h200(prov["src_tree"])
+    status = verified_on_h200()
     rows = []
     for v in releases(a.first, a.last):
         wheel, pins = wheel_pin(v)
         pairs = f"torch=={a.image_torch}" in pins
         rows.append({"vllm": v, "wheel": wheel, "torch_pin": pins, "pairs_with_the_h200_image": pairs,
-                     "run_on_the_h200": v in ran})
-        print(f"{v:8} {wheel:55} {','.join(pins):18} pairs={pairs} run={v in ran}")
+                     "run_on_the_h200": status.get(v) == "verified", "tested_status": status.get(v)})
+        print(f"{v:8} {wheel:55} {','.join(pins):18} pairs={pairs} status={status.get(v)}")
     out = {"provenance": prov,
            "what": (f"the torch each CUDA vLLM wheel pins (its own metadata, read by pip from the package "
-                    f"index), {a.first}-{a.last} (every release in that range); run_on_the_h200: a clean "
-                    f"e2e result at this src tree on the H200 that passed; the H200 image "
-                    f"has torch {a.image_torch}"),
+                    f"index), {a.first}-{a.last} (every release in that range); run_on_the_h200: the tested "
+                    f"table's CUDA row of that release is verified at this src tree (update_tested's rule); "
+                    f"the H200 image has torch {a.image_torch}"),
            "image_torch": a.image_torch,
            "rows": rows,
-           "pair_but_not_run": [r["vllm"] for r in rows if r["pairs_with_the_h200_image"] and not r["run_on_the_h200"]]}
+           "pair_but_not_verified": [r["vllm"] for r in rows if r["pairs_with_the_h200_image"] and not r["run_on_the_h200"]]}
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"pair but not run: {out['pair_but_not_run'] or 'none'}")
+    print(f"pair but not verified: {out['pair_but_not_verified'] or 'none'}")
     return 0
 
 
