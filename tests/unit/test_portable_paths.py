@@ -3,7 +3,8 @@
 A committed text file (``git ls-files``) fails when it holds an absolute path into /work, /root,
 /home, /tmp or /scratch (a checkout, a home, a scratch folder: the root followed by a name). The one allowed form is a shell
 default such as ``${TMPDIR:-/tmp}`` (a fallback at run time, not a recorded path).
-``scripts/scrub_paths.py`` rewrites such paths in result files.
+``scripts/scrub_paths.py`` rewrites such paths in result files (on this src tree not yet those after
+an ANSI colour code or the ``\\r \\f \\uXXXX`` escapes, which this test also finds: fix those by hand).
 """
 
 from __future__ import annotations
