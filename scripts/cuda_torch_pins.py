@@ -21,15 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+import update_tested as ut  # noqa: E402 - the tested table's rule and version order
 from speculators_compat.testing.provenance import provenance  # noqa: E402
 
 PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-
-
-def _key(v: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else -1 for p in v.split("."))
 
 
 def releases(first: str, last: str) -> list[str]:
@@ -41,9 +39,9 @@ def releases(first: str, last: str) -> list[str]:
             continue  # pre-releases, post/dev tags
         if not any(f["filename"].endswith(".whl") and not f.get("yanked") for f in files):
             continue
-        if _key(first) <= _key(v) <= _key(last):
+        if ut._vkey(first) <= ut._vkey(v) <= ut._vkey(last):
             out.append(v)
-    return sorted(out, key=_key)
+    return sorted(out, key=ut._vkey)
 
 
 def wheel_pin(version: str) -> tuple[str, list[str]]:
@@ -69,9 +67,6 @@ def verified_on_h200() -> dict[str, str]:
     """vLLM release -> the tested table's status for CUDA rows, by scripts/update_tested.py's own
     rule (clean results of HEAD's src tree, every llama/qwen3 cell passing for the pair): a release
     counts as run when that status is "verified" for a speculators release."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import update_tested as ut
-
     rows = ut.rows_from(ut.group(ut.load_cells()), ut.head_src_tree())
     out: dict[str, str] = {}
     for r in rows:
