@@ -26,6 +26,10 @@ settings. Two things need them (versions: compat_matrix.yaml):
   the installed engine does — the rule is read off ``create_engine_config``'s own code — and
   writes it on the hand-built ``CacheConfig`` before ``VllmConfig`` is built. Interleaved models
   (Gemma 3, GPT-OSS) keep their per-layer windows and get none, as in vLLM's engine.
+- CPU attention block size (0.12+, ``cpu_attention.py``): where the installed kernel cannot run
+  the ISA vLLM's rule picks for the platform's block size (AMX wheels without the amx kernel,
+  vLLM 0.16), the engine gets speculators' own block size back; where no block size runs, the
+  generator stops before its engine starts, in one line naming dtype, head size and CPU flags.
 
 ``cpu-rms-norm-native`` (its own patch, on ``_create_vllm_config``, since ``engine-options`` owns
 the ``VllmConfig`` name): vLLM 0.12 dropped the ``input.contiguous()`` in
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from ..registry import NotNeeded, wrapper_patch
 from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
@@ -102,8 +107,26 @@ def _set_engine_sliding_window(kwargs) -> None:
         cache_config.sliding_window = window
 
 
+def _set_cpu_attention_block_size(kwargs) -> None:
+    cache_config, model_config = kwargs.get("cache_config"), kwargs.get("model_config")
+    if cache_config is None or model_config is None or getattr(model_config, "use_mla", False):
+        return  # MLA runs its own CPU kernels, not cpu_attn's
+    from .cpu_attention import attention_plan
+
+    own = getattr(sys.modules.get(GENERATOR), "VLLM_BLOCK_SIZE", 16)
+    plan = attention_plan(model_config.dtype, model_config.get_head_size(), cache_config.block_size, own=own,
+                          kv_cache_dtype=getattr(cache_config, "cache_dtype", None))
+    if plan.problem:
+        raise RuntimeError(f"speculators-compat: {plan.problem}")
+    if plan.block_size is not None:
+        logger.warning("speculators_compat: %s; the engine gets block size %d", plan, plan.block_size)
+        cache_config.block_size = plan.block_size
+
+
 def _vllm_config_options(wrapped, instance, args, kwargs):
     _set_engine_sliding_window(kwargs)
+    if on_cpu():
+        _set_cpu_attention_block_size(kwargs)
     if not on_cpu():
         # The generator starts its workers itself (MultiprocExecutor); vLLM forks them unless
         # it sees CUDA initialised at that moment — but a caller that only asked
@@ -155,7 +178,26 @@ def _probe(current):
             import_attr("vllm.transformers_utils.config", "is_interleaved")
         except (ImportError, AttributeError) as exc:
             return f"expected vllm.transformers_utils.config.is_interleaved (create_engine_config uses it); not found ({exc})"
-    return None
+    return _probe_cpu_attention() if on_cpu() else None
+
+
+def _probe_cpu_attention() -> str | None:
+    """The calls attention_plan makes, where this vLLM has the CPU ISA rule (0.12+)."""
+    from .cpu_attention import isa_rule
+
+    rule = isa_rule()
+    if rule is None:
+        return None
+    problem = require_params(rule, ("dtype", "block_size", "head_size"), "cpu_attn._get_attn_isa")
+    if problem:
+        return problem
+    try:
+        metadata = import_attr("vllm._custom_ops", "cpu_attn_get_scheduler_metadata")
+    except (ImportError, AttributeError) as exc:
+        return f"expected vllm._custom_ops.cpu_attn_get_scheduler_metadata (the CPU kernel's first op); not found ({exc})"
+    return require_params(metadata, ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype",
+                                     "query_start_loc", "causal", "sliding_window_size", "isa", "enable_kv_split"),
+                          "vllm._custom_ops.cpu_attn_get_scheduler_metadata")
 
 
 def _codes(fn):
