@@ -33,9 +33,9 @@ EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
 
 @dataclass
 class Finding:
-    kind: str  # call-site | patch | import | versions
+    kind: str  # call-site | patch | import | versions | platform
     name: str  # the call site or patch id
-    status: str  # ok | drift | skipped | error
+    status: str  # ok | drift | skipped | error | adjusted (works: a patch changes a setting)
     detail: str = ""
 
 
@@ -355,6 +355,7 @@ def _run_check() -> tuple[int, dict]:
         else:
             findings.append(Finding("patch", rec["id"], "ok" if status == "applied" else "skipped", rec["reason"]))
     findings.extend(ranged_out_findings(reg, statuses, versions))
+    findings.extend(cpu_attention_findings(statuses))
     rows = matrix.tested_status(versions["speculators"], versions["vllm"])
     verified = any(r.status == "verified" for r in rows)
     broken = any(r.status == "broken" for r in rows)
@@ -368,6 +369,44 @@ def _run_check() -> tuple[int, dict]:
     )
     out["seconds"] = time.perf_counter() - started
     return verdict(findings, verified, broken), out
+
+
+CPU_ATTENTION_CASES = (("bfloat16", 64), ("bfloat16", 128), ("float32", 64), ("float32", 128))
+
+
+def cpu_attention_findings(statuses: list[dict]) -> list[Finding]:
+    """On CPU vLLM 0.12+: for the generator's settings (block size left to the platform,
+    speculators' own 16 as the fallback) and common dtypes / head sizes, whether the attention
+    kernel vLLM's rule picks runs on this machine (``patches/cpu_attention.py``): ``adjusted``
+    where engine-options gives the engine block 16, drift where nothing runs or the patch is off."""
+    from .patches.cpu_attention import attention_plan, isa_rule
+    from .patches.engine_options import on_cpu
+
+    try:
+        if not on_cpu() or isa_rule() is None:
+            return []
+        import torch
+    except Exception as exc:  # noqa: BLE001 - reported as a finding
+        return [Finding("platform", "cpu-attention", "error", f"{type(exc).__name__}: {exc}")]
+    applied = any(r["id"] == "engine-options" and r["status"] == "applied" for r in statuses)
+    out = []
+    for dtype_name, head in CPU_ATTENTION_CASES:
+        name = f"cpu-attention {dtype_name} head {head}"
+        try:
+            plan = attention_plan(getattr(torch, dtype_name), head, None)
+        except Exception as exc:  # noqa: BLE001
+            out.append(Finding("platform", name, "error", f"{type(exc).__name__}: {exc}"))
+            continue
+        if plan.problem:
+            out.append(Finding("platform", name, "drift", plan.problem))
+        elif plan.block_size is not None and not applied:
+            out.append(Finding("platform", name, "drift", f"{plan}; engine-options is not applied, so the engine "
+                                                          "gets the block size whose kernel cannot run here"))
+        elif plan.block_size is not None:
+            out.append(Finding("platform", name, "adjusted", f"{plan}; engine-options gives the engine block size {plan.block_size}"))
+        else:
+            out.append(Finding("platform", name, "ok", str(plan)))
+    return out
 
 
 def verdict(findings: list[Finding], verified: bool, broken: bool) -> int:
@@ -456,7 +495,8 @@ def _cmd_check(args) -> int:
     for f in out["findings"]:
         if f.status == "ok" and not args.verbose:
             continue
-        mark = {"ok": "ok", "drift": "DRIFT", "error": "ERROR", "skipped": "skip", "untested": "untested"}[f.status]
+        mark = {"ok": "ok", "drift": "DRIFT", "error": "ERROR", "skipped": "skip", "untested": "untested",
+                "adjusted": "adjusted"}[f.status]
         detail = f.detail if args.verbose or "\n" not in f.detail else f.detail.splitlines()[0] + "  (-v: traceback)"
         print(f"  [{mark:<8}] {f.kind:<9} {f.name}" + (f"\n             {detail}" if f.detail and f.status != "ok" else ""))
     ok = sum(f.status == "ok" for f in out["findings"])

@@ -84,8 +84,18 @@ def cmd_report(args) -> int:
     width = max([len(r["id"]) for r in records] + [10])
     print(f"{'patch':<{width}}  {'family':<18} {'status':<9} reason")
     for r in out["patches"]:
-        reason = r["reason"] if r["status"] != "pending" else f"pending ({r['gate']})"
-        print(f"{r['id']:<{width}}  {r['family']:<18} {r['status']:<9} {reason}")
+        status, reason = r["status"], r["reason"]
+        if status == "pending":  # out of range: never applies here; in range: its target is not imported yet
+            status, reason = ("not needed", r["gate"]) if r["gate"] != "in range" else (status, f"pending ({r['gate']})")
+        print(f"{r['id']:<{width}}  {r['family']:<18} {status:<9} {reason}")
+    print()
+    for row in out["tested"] or [{"platform": "-", "status": "not in the tested table", "evidence": ""}]:
+        print(f"this pair, {row['platform']}: {row['status']} {row['evidence']}".rstrip())
+    if errors == [] and args.import_targets:
+        from .check import cpu_attention_findings
+
+        for f in cpu_attention_findings(records):
+            print(f"{f.name}: {f.status}: {f.detail}")
     if args.matrix and matrix is not None:
         print("\ntested combinations (generated from real runs):")
         for row in matrix.tested:

@@ -114,13 +114,18 @@ def _set_cpu_attention_block_size(kwargs) -> None:
     from .cpu_attention import attention_plan
 
     own = getattr(sys.modules.get(GENERATOR), "VLLM_BLOCK_SIZE", 16)
-    plan = attention_plan(model_config.dtype, model_config.get_head_size(), cache_config.block_size, own=own,
+    # 0.32+: an unset block size reads as DEFAULT_BLOCK_SIZE with user_specified_block_size False,
+    # and the platform still picks its own
+    requested = cache_config.block_size if getattr(cache_config, "user_specified_block_size", True) else None
+    plan = attention_plan(model_config.dtype, model_config.get_head_size(), requested, own=own,
                           kv_cache_dtype=getattr(cache_config, "cache_dtype", None))
     if plan.problem:
         raise RuntimeError(f"speculators-compat: {plan.problem}")
     if plan.block_size is not None:
         logger.warning("speculators_compat: %s; the engine gets block size %d", plan, plan.block_size)
         cache_config.block_size = plan.block_size
+        if hasattr(cache_config, "user_specified_block_size"):
+            cache_config.user_specified_block_size = True  # else the platform replaces it
 
 
 def _vllm_config_options(wrapped, instance, args, kwargs):

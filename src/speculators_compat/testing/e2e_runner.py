@@ -45,8 +45,10 @@ def _lengths_chunked(rng):
     return [rng.randrange(600, 1300) for _ in range(12)]
 
 
-def _sequences(lengths, rng, vocab):
-    return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
+def _sequences(lengths, rng, vocab, bos=1):
+    """Random prompts that open with BOS, as chat-templated prompts do (position 0 is where a
+    trained model's very-high-norm row sits; tiny_models.MASSIVE)."""
+    return [[bos] + [rng.randrange(4, vocab) for _ in range(n - 1)] for n in lengths]
 
 
 def _force_engine_dtype(dtype: str) -> None:
@@ -172,6 +174,8 @@ def run(args, progress=None) -> dict:
         result["tensor_parallel_size"] = args.tensor_parallel_size
         generator = VllmHiddenStatesGenerator(str(model_dir), **kwargs)
         result["init_s"] = time.perf_counter() - t0
+        cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
+        result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
         rng = random.Random(args.seed)
         vocab = generator.tokenizer.vocab_size if hasattr(generator.tokenizer, "vocab_size") else 1000
         vocab = min(vocab, 1000)
@@ -256,6 +260,22 @@ def run(args, progress=None) -> dict:
         references["hf"] = hf_plain
         ref_margins["hf"] = hf_plain_margins
     del hf_model
+    spreads: dict = {}  # reference name -> {case: [[row spread [len] per layer] per sequence]}
+    if "hf" in references and captured_dtype in (torch.bfloat16, torch.float16):
+        say("computing HF's own float32 forward (each bf16 row's bound follows HF's bf16-vs-fp32 spread)")
+        hf32 = load_hf_model(hf_dir, dtype=torch.float32, device=device)
+        from speculators_compat.testing.reference import row_errors
+
+        spreads["hf"] = {}
+        for n, seqs in seqs_by_case.items():
+            outs32 = hf_layer_outputs(hf32, seqs, ids, dtype=torch.float32, device=device)
+            spreads["hf"][n] = [[row_errors(a, b) for a, b in zip(lo, hi)] for lo, hi in zip(references["hf"][n], outs32)]
+        del hf32
+        result["hf_spread"] = {
+            n: {"max": max(float(x.max()) for per in sp for x in per if x.numel()),
+                "p99": float(torch.quantile(torch.cat([x for per in sp for x in per]).double(), 0.99))}
+            for n, sp in spreads["hf"].items()
+        }
     if args.reference == "vllm":
         say("computing the vLLM own-forward reference (plain vllm.LLM, shim disabled, one prompt at a time)")
         variants = ["own"] + (["llama_4_scaling_off"] if l4s is not None else [])
@@ -292,8 +312,9 @@ def run(args, progress=None) -> dict:
             mg = ref_margins.get(ref_name, {}).get(name)
             if mg is not None and not any(mg):  # a dense model: no router, no near-tie pass
                 mg = None
+            sp = spreads.get(ref_name, {}).get(name) if mg is None else None
             rep = compare(captured[name], ref[name], dtype=captured_dtype, margins=mg, layer_ids=ids,
-                          token_ids=seqs_by_case[name] if mg is not None else None)
+                          token_ids=seqs_by_case[name] if mg is not None else None, spread=sp)
             worst = rep.worst_row
             if worst is not None:  # name the layer, not its index in the compared list
                 worst = {"sequence": worst["sequence"], "layer": ids[worst["layer_index"]],
@@ -304,6 +325,7 @@ def run(args, progress=None) -> dict:
                 "rows_over_row_tolerance": sum(n for r in rep.rows_over for n in r if n > 0),
                 "row_quantiles": rep.row_quantiles,
                 "max_row_error": worst["error"] if worst else None,
+                "massive_rows": rep.massive_rows, "spread_allowed": rep.spread_allowed,
             }
             if rep.margin_tie is not None:  # router near-ties of this reference (issue #14)
                 keys = ("sequence", "layer", "row", "error", "margin", "margin_layer")
@@ -346,6 +368,8 @@ def run(args, progress=None) -> dict:
         case["worst_row"] = verdict.get("worst_row") if verdict else None
         case["rows_over_row_tolerance"] = verdict.get("rows_over_row_tolerance") if verdict else None
         case["row_quantiles"] = verdict.get("row_quantiles") if verdict else None
+        case["massive_rows"] = verdict.get("massive_rows") if verdict else None
+        case["spread_allowed"] = verdict.get("spread_allowed") if verdict else None
         for key in ("margin_tie", "rows_explained", "rows_unexplained", "max_error_unexplained"):
             if verdict and key in verdict:
                 case[key] = verdict[key]
@@ -362,6 +386,9 @@ def run(args, progress=None) -> dict:
     result["passed"] = all(result["cases"][n]["passed"] for n in ("mixed", "chunked", "truncated")) and result["cases"][
         "repeat"
     ]["identical"]
+    from speculators_compat.testing.provenance import machine
+
+    result["provenance"]["machine"] = machine()  # the GPU is known once the reference ran on it
     return result
 
 

@@ -9,7 +9,8 @@
      "matrix_sha256": "<sha256 of the compat_matrix.yaml the package reads>",
      "date_utc":      "2026-12-01T03:04:05Z",
      "command":       "python -m ... (relative paths only)",
-     "host":          "<hostname>"}
+     "host":          "<hostname>",
+     "machine":       {"cpu": "<model name>", "cpu_flags": "amx_bf16 ... avx2", "cpus": 2, "gpu": "..."}}
 
 ``scripts/update_tested.py`` counts a result only when ``dirty`` is false, and calls it
 ``verified`` only while its ``src_tree`` equals ``git rev-parse HEAD:src`` (any change under
@@ -178,6 +179,7 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": cmd,
         "host": socket.gethostname(),
+        "machine": machine(),
     }
     if root is None:
         out["reason"] = f"speculators_compat is not imported from a source checkout ({_PACKAGE.name} is installed)"
@@ -199,6 +201,27 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
     out.update(commit=commit, dirty=bool(changed), src_tree=src_tree)
     if changed:
         out["dirty_files"] = changed[:20]
+    return out
+
+
+def machine() -> dict:
+    """The CPU (model name, the flags that pick vLLM's CPU kernels) and the GPU, if torch has one
+    initialised in this process (nothing is imported or initialised for this)."""
+    from ..patches.cpu_attention import cpu_flags
+
+    model = None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    out: dict = {"cpu": model, "cpu_flags": cpu_flags(), "cpus": os.cpu_count()}
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - the provenance never fails on this
+        pass
     return out
 
 

@@ -85,6 +85,20 @@ MARGIN_TIE: dict[str, float] = {"float32": 4 * 2.0**-24, "bfloat16": 2.0**-6, "f
 #     norm. A copied, shifted or misplaced row is its source's captured row (distance 0), within the
 #     correct-row drift (bf16 <= 2.4e-2) of its source's reference; genuine flips measured >= 5.8e-2
 #     from every other token's reference row (qwen3_moe), so 0.05 in bf16.
+# bf16 rows of real models: correct rows reached 0.12 against fp32 on a trained 30-layer model,
+# where HF's own bf16 forward reached 0.093 on the same rows (high-norm tokens): a fixed bound
+# tuned on random weights does not hold there. With the reference's own bf16-vs-fp32 spread of
+# each row (``spread``), that row's bound is SPREAD_FACTOR x its spread (two bf16
+# implementations: each ~1x apart from fp32), never below ROW_TOLERANCE and never above
+# SPREAD_CAP, below the closest wrong row measured (a neighbour's row 0.40, a zeroed row 1.0).
+SPREAD_FACTOR = 3.0
+SPREAD_CAP = 0.35
+# A row whose reference norm exceeds MASSIVE_RATIO x the median of its (sequence, layer) is a
+# massive row (a trained model's position 0 holds up to 99 % of a layer's squared norm): the
+# Frobenius figure is taken over the other rows (the massive ones would hide their errors),
+# massive rows are bounded row by row like every row, and reported apart.
+MASSIVE_RATIO = 8.0
+
 EXPLAINED_CAP = 0.95
 EXPLAINED_NORM_RATIO = (0.5, 2.0)
 MISPLACED_MATCH: dict[str, float] = {"float32": 5e-4, "bfloat16": 0.05, "float16": 1e-2}
@@ -515,6 +529,8 @@ class CompareReport:
     errors_unexplained: list[list[float]] = field(default_factory=list)  # Frobenius without explained rows
     worst_unexplained: list[list[list]] = field(default_factory=list)  # [row, error] per (seq, k)
     margin_quantiles: dict = field(default_factory=dict)  # of the per-token min margin over MoE layers
+    massive_rows: dict = field(default_factory=dict)  # rows over MASSIVE_RATIO x the median norm
+    spread_allowed: dict = field(default_factory=dict)  # rows whose spread bound exceeds row_tolerance
 
     def _ok(self, s: int, k: int) -> bool:
         if self.margin_tie is None:
@@ -527,9 +543,11 @@ class CompareReport:
             over = sum(1 for u in self.unexplained if u["sequence"] == s and u["layer_index"] == k)
             if self.rows_over[s][k] < 0:
                 over = -1
+        # with a spread, rows_over counts each row against its own bound (<= SPREAD_CAP)
+        worst_bound = self.row_tolerance if not self.spread_allowed else max(self.row_tolerance, SPREAD_CAP)
         return (
             math.isfinite(e) and e <= self.tolerance
-            and w is not None and math.isfinite(w) and w <= self.row_tolerance
+            and w is not None and math.isfinite(w) and w <= worst_bound
             and over == 0
         )
 
@@ -575,6 +593,7 @@ class CompareReport:
             "margin_tie": self.margin_tie, "explained_rows": self.explained,
             "unexplained_rows": self.unexplained, "errors_unexplained": self.errors_unexplained,
             "margin_quantiles": self.margin_quantiles,
+            "massive_rows": self.massive_rows, "spread_allowed": self.spread_allowed,
         }
 
     def summary(self) -> str:
@@ -620,6 +639,7 @@ def compare(
     layer_ids: Sequence[int] | None = None,
     margin_tie: float | None = None,
     token_ids: list | None = None,
+    spread: list | None = None,
 ) -> CompareReport:
     """Compare ``captured[seq][k]`` with ``reference[seq][k]`` (both ``[len, hidden]``): the
     Frobenius error per (sequence, layer) and every row's own error (see :class:`CompareReport`).
@@ -642,6 +662,10 @@ def compare(
       a token's rows at two positions are close (measured 0.019-0.05 apart after a flip), and a
       swap of two same-id rows is no wrong answer this check could see anyway.
 
+    ``spread[seq][k]`` (a tensor ``[len]``: the reference's own per-row error against fp32) makes
+    each row's bound ``clamp(SPREAD_FACTOR x spread, row_tolerance, SPREAD_CAP)``. Massive rows
+    (MASSIVE_RATIO) are left out of the Frobenius figure and reported apart (``massive_rows``).
+
     Nothing is allowed by count: each explained row is listed (``explained``), every other row over
     the bound fails, and the Frobenius bound then applies to the unexplained rows. Later tokens
     that attend to an explained row get no allowance: their own rows are held to the bounds.
@@ -655,6 +679,8 @@ def compare(
     if len(captured) != len(reference):
         rep.problems.append(f"{len(captured)} captured sequences vs {len(reference)} reference")
     all_rows = []
+    massive_errs: list = []
+    allowed_n = allowed_over = 0
     pairs: dict = {}  # (s, k) -> (capture, reference, row errors) for the near-tie pass
     nan = float("nan")
     for s, (cap, ref) in enumerate(zip(captured, reference)):
@@ -684,11 +710,27 @@ def compare(
                 worst_row.append([None, nan])
                 over_row.append(-1)
                 continue
-            row.append(relative_error(c, r))
             rows = _row_errors(c, r)
+            norms = torch.linalg.vector_norm(r.detach().to("cpu", torch.float32).reshape(-1, r.shape[-1]), dim=-1)
+            massive = norms > MASSIVE_RATIO * norms.median() if norms.numel() else norms.bool()
+            if bool(massive.any()) and not bool(massive.all()):
+                row.append(relative_error(c.reshape(-1, c.shape[-1])[~massive], r.reshape(-1, r.shape[-1])[~massive]))
+                massive_errs.append(rows[massive])
+            else:
+                row.append(relative_error(c, r))
+            bound = torch.full_like(rows, row_tol)
+            if spread is not None:
+                sp = torch.as_tensor(spread[s][k]).to("cpu", torch.float32).reshape(-1)
+                if sp.shape != rows.shape:
+                    rep.problems.append(f"seq {s} layer#{k}: spread of {tuple(sp.shape)} rows vs {tuple(rows.shape)}")
+                else:
+                    bound = (SPREAD_FACTOR * torch.nan_to_num(sp, nan=0.0)).clamp(min=row_tol, max=max(row_tol, SPREAD_CAP))
+                    wider = bound > row_tol
+                    allowed_n += int(wider.sum())
+                    allowed_over += int((wider & (rows > row_tol) & (rows <= bound)).sum())
             pairs[(s, k)] = (c, r, rows)
             if rows.numel():
-                bad = ~(rows <= row_tol)  # NaN counts as bad
+                bad = ~(rows <= bound)  # NaN counts as bad
                 finite = torch.nan_to_num(rows, nan=float("inf"))
                 i = int(torch.argmax(finite))
                 worst_row.append([i, float(rows[i])])
@@ -707,6 +749,14 @@ def compare(
             "rows": int(flat.numel()), "p50": float(qs[0]), "p99": float(qs[1]), "p99.9": float(qs[2]),
             "max": float(flat.max()),
         }
+    if massive_errs:
+        m = torch.nan_to_num(torch.cat(massive_errs), nan=float("inf"))
+        rep.massive_rows = {"ratio": MASSIVE_RATIO, "rows": int(m.numel()), "max": float(m.max())}
+    if spread is not None:
+        if margins is not None:
+            raise ValueError("compare(): spread and margins are not combined (bf16 MoE rows are explained by near-ties)")
+        rep.spread_allowed = {"factor": SPREAD_FACTOR, "cap": SPREAD_CAP, "rows_bound_above_row_tolerance": allowed_n,
+                              "rows_passing_only_by_spread": allowed_over}
     if margins is not None:
         _explain(rep, pairs, margins, layer_ids, name,
                  MARGIN_TIE[name] if margin_tie is None else float(margin_tie), token_ids)

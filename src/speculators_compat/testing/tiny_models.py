@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "ARCHITECTURES",
     "FACTORY_VERSION",
+    "MASSIVE_ARCHITECTURES",
     "MOE_ARCHITECTURES",
     "MULTIMODAL_ARCHITECTURES",
     "VOCAB_SIZE",
@@ -63,6 +64,15 @@ MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava", "kimi_k25")
 MOE_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k25")
 
 MISTRAL_SLIDING_WINDOW = 256
+
+# Real shapes for the archs make test and the sweep run: head sizes of released models (Llama-3.2:
+# 64, Qwen3 / Llama-3.1: 128; Mistral keeps 32) and a trained model's activations: a few
+# very-high-norm rows (the BOS token, which the e2e runner puts at position 0, and one frequent
+# token: rows ~50x the typical norm, as a trained model's attention-sink rows) and a few high-norm
+# channels in every row (x6, ~1/3 of a row's squared norm).
+HEAD_DIM = {"llama": 64, "qwen3": 128}
+MASSIVE = {"rows": (1, 4), "row_value": 40.0, "row_channels": (11, 71), "channels": (7, 93), "channel_scale": 6.0}
+MASSIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen3", "mistral")
 
 # Bump when anything below changes the files that get written (invalidates the cache).
 FACTORY_VERSION = 1
@@ -136,8 +146,8 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
     if not 1 <= num_layers <= 64:
         raise ValueError("num_layers out of range")
-    head_dim = 32  # GPU Triton attention needs head size >= 32
-    if hidden_size % head_dim:
+    head_dim = HEAD_DIM.get(arch, 32)  # GPU Triton attention needs head size >= 32
+    if hidden_size % 32:
         raise ValueError("hidden_size must be a multiple of 32")
     n_heads = max(2, hidden_size // head_dim)
     n_kv = max(1, n_heads // 2)
@@ -500,6 +510,10 @@ def _init_tensor(name: str, t, arch: str) -> None:
         val = randn(1.0)
     elif "embed_tokens" in lname:
         val = randn(_STD_EMBED)
+        if arch in MASSIVE_ARCHITECTURES and t.dim() == 2:
+            val[:, list(MASSIVE["channels"])] *= MASSIVE["channel_scale"]
+            for row in MASSIVE["rows"]:
+                val[row, list(MASSIVE["row_channels"])] = MASSIVE["row_value"]
     elif ("router" in lname or lname.endswith("mlp.gate.weight")) and leaf in ("weight",):
         val = randn(_STD_ROUTER)
     elif leaf.endswith("bias") or t.dim() == 1:
@@ -1036,6 +1050,7 @@ def _cache_key(
             "dtype": dtype,
             "config": tiny_config_kwargs(arch, num_layers=num_layers, hidden_size=hidden_size),
             "overrides": overrides,
+            **({"massive": MASSIVE} if arch in MASSIVE_ARCHITECTURES else {}),
         },
         sort_keys=True,
         default=repr,
