@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the bed envs have torch; this module needs nothing else
 
-from speculators_compat.testing.reference import ROW_TOLERANCE, TOLERANCE, compare  # noqa: E402
+from speculators_compat.testing.reference import ROW_TOLERANCE, TOLERANCE, compare, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.contract
 
@@ -71,7 +71,8 @@ def test_row_duplicated_from_neighbour_fails(real):
     cap[i] = cap[i - 1]
     rep = _check(cap, real)
     assert not rep.passed, rep.summary()
-    assert rep.errors[0][0] <= TOLERANCE["bfloat16"]  # invisible to the Frobenius figure
+    # invisible to a Frobenius figure over all rows (the massive rows' share hides it)
+    assert relative_error(cap, real["reference"]) <= TOLERANCE["bfloat16"]
     assert rep.worst_row["row"] == i and rep.worst_row["error"] > 3 * ROW_TOLERANCE["bfloat16"]
 
 

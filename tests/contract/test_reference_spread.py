@@ -101,5 +101,5 @@ def test_a_massive_row_does_not_hide_the_other_rows(real):
     assert whole < TOLERANCE["bfloat16"]  # over all rows, the massive row hides the 5 % error
     rep = compare([[cap.bfloat16()]], [[ref.bfloat16()]], "bfloat16")
     assert not rep.passed, rep.summary()  # without it, the figure is ~5e-2 > 3e-2
-    assert rep.massive_rows["rows"] == 1 and rep.massive_rows["ratio"] == MASSIVE_RATIO
+    assert rep.massive_rows["rows"] >= 1 and rep.massive_rows["ratio"] == MASSIVE_RATIO
     assert rep.errors[0][0] > TOLERANCE["bfloat16"]

@@ -15,6 +15,7 @@ from . import (
     speculators_import,
     speculators_script,
     worker_capture,
+    worker_errors,
 )
 
 FAMILY_MODULES = (
@@ -28,6 +29,7 @@ FAMILY_MODULES = (
     execution,
     executor,
     worker_capture,
+    worker_errors,
     speculators_script,
 )
 
