@@ -823,6 +823,8 @@ def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
         "async-scheduling": ("scheduler-config-args", "generate-driver"),
         "generate-driver": ("request-args", "worker-capture-rpc"),
         "executor-backend": ("executor-class",),
+        "worker-start-cause-raise": ("worker-start-cause-record",),
+        "worker-capture-hooks": ("worker-v2-batch-order",),
         "worker-capture-rpc": ("worker-capture-hooks",),
         "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify",),
     }

@@ -89,7 +89,7 @@ def _attach_v2_order(state, runner) -> None:
         status = next((r for r in speculators_compat.report() if r["id"] == "worker-v2-batch-order"), {})
         raise RuntimeError(
             f"capture: the V2 model runner {type(runner).__qualname__}.prepare_inputs is not wrapped by the "
-            f"worker-v2-batch-order patch (status {status.get('status')!r}: {status.get('detail')}); rows cannot be "
+            f"worker-v2-batch-order patch (status {status.get('status')!r}: {status.get('reason') or 'no reason recorded'}); rows cannot be "
             "placed in batch order"
         )
     setattr(runner, ORDER_ATTR, state)
@@ -249,6 +249,8 @@ PATCHES = [
         "HiddenStatesWorkerExtension._setup_hidden_states_capture",
         _replace_setup,
         _probe_setup,
+        # on V2 model runners the capture places rows in the batch order this patch reads
+        requires=("worker-v2-batch-order",),
     ),
     Patch(
         id="worker-capture-rpc",
