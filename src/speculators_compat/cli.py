@@ -1,6 +1,7 @@
 """Command line: ``speculators-compat`` / ``python -m speculators_compat``.
 
-- ``report [--json] [--matrix] [--import-targets]``: versions found, every patch's gate and status.
+- ``report [--json] [--matrix] [--import-targets] [--patch ID]``: versions found, every patch's gate
+  and status (``--patch``: everything about one patch).
 - ``check [--json] [--junit PATH]``: probes the installed vLLM/speculators (see check.py).
 - ``run <command…>``: the command, with the shim active in it and every Python process it starts
   (see launcher.py).
@@ -103,6 +104,68 @@ def cmd_report(args) -> int:
     return 0 if matrix_error is None else 3
 
 
+def patch_facts(reg, pid: str) -> dict:
+    """Everything about one patch, read from its declaration, its module and the matrix: target,
+    family, gate (ranges, why), status, probe, the vLLM calls it declares, what it requires and
+    is required by, the settings its module reads, and its module's account of what changed."""
+    import inspect
+    import re
+
+    patch = reg.patches.get(pid)
+    if patch is None:
+        raise ValueError(f"no patch {pid!r}; expected one of {', '.join(sorted(reg.patches))}")
+    matrix = reg.matrix
+    rng = matrix.patches.get(pid)
+    status = next((r for r in __import__("speculators_compat").report() if r["id"] == pid), {})
+    probe_module = inspect.getmodule(patch.probe)
+    source = inspect.getsource(probe_module) if probe_module else ""
+    doc = (getattr(probe_module, "__doc__", "") or "").strip()
+    return {
+        "id": pid,
+        "family": patch.family,
+        "target": patch.target,
+        "hook_module": patch.hook_module,
+        "defined_in": getattr(probe_module, "__name__", None),
+        "gate": {"ranges": {k: str(v) for k, v in (rng.ranges if rng else {}).items()},
+                 "why": rng.why if rng else None,
+                 "here": (rng.gate(reg.version_strings()) or "in range") if rng else "not in the matrix"},
+        "status": status.get("status"), "reason": status.get("reason"),
+        "probe": f"{patch.probe.__module__}.{patch.probe.__qualname__}",
+        "probe_doc": (inspect.getdoc(patch.probe) or "").split("\n\n")[0] or None,
+        "calls": [[c.target + " " + c.describe() for c in (spec if isinstance(spec, tuple) else (spec,))]
+                  for spec in patch.calls],
+        "requires": list(patch.requires),
+        "required_by": sorted(q.id for q in reg.patches.values() if pid in q.requires),
+        "settings": sorted(set(re.findall(r"SPECULATORS_COMPAT_[A-Z_]+", source))),
+        "module_doc": doc,
+    }
+
+
+def cmd_report_patch(args) -> int:
+    import speculators_compat
+
+    reg = speculators_compat.get_registry()
+    if args.import_targets:
+        _import_targets()
+    facts = patch_facts(reg, args.patch)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    g = facts["gate"]
+    print(f"{facts['id']}  ({facts['family']}; defined in {facts['defined_in']})")
+    print(f"  target    {facts['target']}  (applied when {facts['hook_module']} is imported)")
+    print(f"  gate      {', '.join(f'{k} {v}' for k, v in g['ranges'].items()) or 'any version'}: here {g['here']}")
+    print(f"  why       {g['why']}")
+    print(f"  status    {facts['status']}" + (f": {facts['reason']}" if facts["reason"] not in (None, "", g["why"]) else ""))
+    print(f"  probe     {facts['probe']}" + (f": {facts['probe_doc']}" if facts["probe_doc"] else ""))
+    for forms in facts["calls"] or [["(declares no call of its own)"]]:
+        print(f"  calls     {' | '.join(forms)}")
+    print(f"  requires  {', '.join(facts['requires']) or '-'}; required by {', '.join(facts['required_by']) or '-'}")
+    print(f"  settings  {', '.join(facts['settings']) or '-'}")
+    print("\n" + "\n".join("  " + ln for ln in facts["module_doc"].splitlines()))
+    return 0
+
+
 def _cannot(command: str, exc: BaseException) -> int:
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0][:300]}" if text else f"{type(exc).__name__} (no message)"
@@ -120,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="versions found and every patch's status")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
     rep.add_argument("--matrix", action="store_true", help="also show the tested table")
+    rep.add_argument("--patch", default=None, metavar="ID",
+                     help="everything about one patch: target, gate, status, probe, calls, requires, settings")
     rep.add_argument(
         "--import-targets",
         action="store_true",
@@ -152,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cannot(args.command, exc)
     if args.command == "report":
         try:
-            return cmd_report(args)
+            return cmd_report_patch(args) if args.patch else cmd_report(args)
         except (Exception, MemoryError) as exc:  # noqa: BLE001 - exit 3 with one line, never 1 with a traceback
             return _cannot("report", exc)
     if args.command == "check":

@@ -191,3 +191,23 @@ def test_an_error_inside_report_is_exit_3(monkeypatch, capsys):
     assert main(["report"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MemoryError" in err[0]
+
+
+def test_report_patch_shows_a_patchs_facts_from_one_place(capsys):
+    assert main(["report", "--patch", "worker-start-cause-raise", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    shipped = yaml.safe_load(SHIPPED_MATRIX.read_text())["patches"]["worker-start-cause-raise"]
+    assert facts["gate"]["why"] == shipped["why"]
+    assert facts["gate"]["ranges"] == {"speculators": ">=0.3.0,<0.5"} or set(facts["gate"]["ranges"]) == {"speculators"}
+    assert facts["target"] == "vllm.v1.executor.multiproc_executor:MultiprocExecutor._init_executor"
+    assert facts["requires"] == ["worker-start-cause-record"]
+    assert facts["probe"].endswith("_probe_init_executor")
+    assert "SPECULATORS_COMPAT_WORKER_CAUSES" in facts["settings"]
+    assert main(["report", "--patch", "worker-start-cause-record", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["required_by"] == ["worker-start-cause-raise"]
+
+
+def test_report_patch_with_an_unknown_id_is_one_line_exit_3(capsys):
+    assert main(["report", "--patch", "no-such-patch"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no patch 'no-such-patch'" in err
