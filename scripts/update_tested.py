@@ -161,6 +161,18 @@ class Cell:
     def date(self) -> str:
         return str(self.prov.get("date_utc") or "")
 
+    def machine(self) -> str:
+        """Where the cell ran, in a few words: the GPU, or the CPU and whether it has AMX (the
+        flag that picks vLLM's amx attention kernel); '' for results from before provenance said."""
+        m = self.prov.get("machine")
+        if not isinstance(m, dict):
+            return ""
+        if m.get("gpu"):
+            return str(m["gpu"])
+        flags = str(m.get("cpu_flags") or "").split()
+        isa = "AMX" if "amx_tile" in flags else "AVX-512, no AMX" if "avx512f" in flags else "no AVX-512"
+        return f"CPU with {isa}" if isa == "AMX" else f"CPU ({isa})"
+
     def _flaws(self) -> list[str]:
         """Reasons the result is no evidence either way (provenance, completeness)."""
         if not self.prov:
@@ -378,6 +390,9 @@ def rows_from(grouped: dict, head_tree: str | None) -> list[dict]:
             if rows_:
                 evidence += f", worst row {max(rows_):.1e}"
             evidence += f" ({','.join(dtypes)})"
+            machines = sorted({m for m in (current[a].machine() for a in archs) if m})
+            if machines:
+                evidence += f" on {' + '.join(machines)}"
             if unp:
                 evidence += "; " + unp
             commit = _commits(current.values())

@@ -95,3 +95,21 @@ def test_the_engine_runs_what_the_plan_says(monkeypatch):
     engine_options._set_cpu_attention_block_size({"model_config": model, "cache_config": cache})
     plan = attention_plan(model.dtype, model.get_head_size(), None)
     assert cache.block_size == (before if plan.block_size is None else plan.block_size)
+
+
+@needs_rule
+def test_check_says_so_when_the_platform_pick_cannot_run_here():
+    from speculators_compat.check import cpu_attention_findings
+
+    applied = [{"id": "engine-options", "status": "applied"}]
+    with_patch = {f.name: f for f in cpu_attention_findings(applied)}
+    without = {f.name: f for f in cpu_attention_findings([])}
+    assert with_patch and set(with_patch) == set(without)
+    for name, f in with_patch.items():
+        dtype, head = name.split()[1], int(name.split()[-1])
+        plan = attention_plan(getattr(torch, dtype), head, None)
+        if plan.block_size is None:
+            assert f.status == "ok" and without[name].status == "ok", f
+        else:  # adjusted with the patch; drift (exit 2) when engine-options is left out
+            assert f.status == "adjusted" and "block size 16" in f.detail, f
+            assert without[name].status == "drift" and "cannot run here" in without[name].detail, without[name]
