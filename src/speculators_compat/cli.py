@@ -111,6 +111,8 @@ def patch_facts(reg, pid: str) -> dict:
     import inspect
     import re
 
+    from .settings import SETTINGS
+
     patch = reg.patches.get(pid)
     if patch is None:
         raise ValueError(f"no patch {pid!r}; expected one of {', '.join(sorted(reg.patches))}")
@@ -136,7 +138,7 @@ def patch_facts(reg, pid: str) -> dict:
                   for spec in patch.calls],
         "requires": list(patch.requires),
         "required_by": sorted(q.id for q in reg.patches.values() if pid in q.requires),
-        "settings": sorted(set(re.findall(r"SPECULATORS_COMPAT_[A-Z_]+", source))),
+        "settings": sorted(set(re.findall(r"SPECULATORS_COMPAT_[A-Z_]+", source)) & set(SETTINGS)),
         "module_doc": doc,
     }
 

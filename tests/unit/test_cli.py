@@ -202,7 +202,9 @@ def test_report_patch_shows_a_patchs_facts_from_one_place(capsys):
     assert facts["target"] == "vllm.v1.executor.multiproc_executor:MultiprocExecutor._init_executor"
     assert facts["requires"] == ["worker-start-cause-record"]
     assert facts["probe"].endswith("_probe_init_executor")
-    assert "SPECULATORS_COMPAT_WORKER_CAUSES" in facts["settings"]
+    assert facts["settings"] == []  # its folder variable is the patch's own channel, not a setting
+    assert main(["report", "--patch", "engine-options", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"] == ["SPECULATORS_COMPAT_ATTENTION_BACKEND"]
     assert main(["report", "--patch", "worker-start-cause-record", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["required_by"] == ["worker-start-cause-raise"]
 

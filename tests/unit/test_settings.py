@@ -65,3 +65,13 @@ def test_no_module_reads_our_variables_directly():
             if read:
                 offenders.append(f"{path.name}:{n}")
     assert not offenders, offenders
+
+
+def test_readme_generated_tables_are_current():
+    """README's tested / patches / settings tables are scripts/readme_tables.py's output."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(README.parent / "scripts" / "readme_tables.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
