@@ -11,7 +11,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -79,6 +79,11 @@ if [[ " $STEPS " == *" v1 "* ]]; then
   CELL_NAME=qwen3_v1runner cell 0.3.0 qwen3 & p3=$!; CELL_NAME=qwen3_v1runner cell 0.4.0.1 qwen3 & p4=$!
   wait $p1 $p2 $p3 $p4
   unset VLLM_USE_V2_MODEL_RUNNER
+fi
+if [[ " $STEPS " == *" start "* ]]; then
+  echo "== a worker that cannot start (corrupt weights): the caller's exception, with the shim and without"
+  PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 500 python3 scripts/worker_start_check.py \
+    --out "$OUT/worker_start_h200.json" > "$OUT/worker_start_h200.log" 2>&1; echo "start rc=$?"
 fi
 if [[ " $STEPS " == *" faults "* ]]; then
   echo "== fault battery on the GPU (Ctrl-C at every reply read, lost rows, worker exception, ...)"
