@@ -235,6 +235,12 @@ class Cell:
                 or not capture or any(v != "applied" for v in capture.values()):
             out.append(f"worker patches not applied ({worker.get('error') if isinstance(worker, dict) else worker}"
                        f"; {capture or 'no worker-capture patches'})")
+        records = list(self.data.get("patches") or [])
+        if isinstance(worker, dict):
+            records += list(worker.get("patches") or [])
+        failed = sorted({str(p.get("id")) for p in records if isinstance(p, dict) and p.get("status") == "failed"})
+        if failed and not self.data.get("unpatched"):
+            out.append(f"patch(es) failed their probe: {', '.join(failed)}")
         if self.data.get("passed") is not True:
             out.append("runner verdict: passed is not true")
         return out

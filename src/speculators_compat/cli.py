@@ -83,14 +83,16 @@ def cmd_report(args) -> int:
         print("  (speculators or vLLM absent: patches stay pending until their targets are imported)")
     print()
     width = max([len(r["id"]) for r in records] + [10])
-    print(f"{'patch':<{width}}  {'family':<18} {'status':<9} reason")
+    print(f"{'patch':<{width}}  {'family':<18} {'status':<10} reason")
     for r in out["patches"]:
         status, reason = r["status"], r["reason"]
         if status == "pending":  # out of range: never applies here; in range: its target is not imported yet
-            status, reason = ("not needed", r["gate"]) if r["gate"] != "in range" else (status, f"pending ({r['gate']})")
-        print(f"{r['id']:<{width}}  {r['family']:<18} {status:<9} {reason}")
+            gate = r["gate"]
+            status, reason = ("not needed", gate) if gate and gate != "in range" else (status, f"pending ({gate or 'gate unknown'})")
+        print(f"{r['id']:<{width}}  {r['family']:<18} {status:<10} {reason}")
     print()
-    for row in out["tested"] or [{"platform": "-", "status": "not in the tested table", "evidence": ""}]:
+    for row in out["tested"] or [{"platform": "-", "status": "not in the tested table" if matrix else "unknown (no matrix)",
+                                  "evidence": ""}]:
         print(f"this pair, {row['platform']}: {row['status']} {row['evidence']}".rstrip())
     if errors == [] and args.import_targets:
         from .check import cpu_attention_findings

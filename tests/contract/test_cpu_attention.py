@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from speculators_compat.patches import cpu_attention, engine_options  # noqa: E402
-from speculators_compat.patches.cpu_attention import attention_plan, isa_rule, kernel_error  # noqa: E402
+from speculators_compat.patches.cpu_attention import attention_plan, isa_rule, kernel_error, pick_isa  # noqa: E402
 
 needs_rule = pytest.mark.skipif(isa_rule() is None, reason="this vLLM has no CPU ISA rule (0.11: SDPA attention)")
 
@@ -35,7 +35,7 @@ def test_the_plan_follows_the_installed_kernel(head):
     plan = attention_plan(torch.bfloat16, head, None)
     block, isa, err = plan.tried[0]
     assert block == cpu_attention.PLATFORM_PICK
-    assert isa == isa_rule()(torch.bfloat16, block, head)
+    assert isa == pick_isa(torch.bfloat16, block, head)
     assert err == kernel_error(isa, torch.bfloat16, head)
     if err is None:
         assert plan.block_size is None and plan.problem is None  # vLLM's choice is kept
@@ -82,7 +82,35 @@ def test_the_platform_pick_is_the_platforms_own():
 
 
 @needs_rule
-def test_the_engine_runs_what_the_plan_says(monkeypatch):
+def test_where_only_amx_fails_the_wrapper_gives_16(monkeypatch):
+    """Emulates the AMX wheel on any machine: the rule says amx (AMX present), the kernel refuses
+    amx only; the real hand-built config then carries 16, user-specified, so the platform keeps it."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch._C._cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    real = cpu_attention.kernel_error
+    monkeypatch.setattr(cpu_attention, "kernel_error",
+                        lambda isa, dtype, head: "no amx kernel in this wheel" if isa == "amx" else real(isa, dtype, head))
+    from vllm.config import CacheConfig, ModelConfig
+
+    from speculators_compat.testing import build_tiny_model
+
+    model = ModelConfig(model=str(build_tiny_model("llama")), max_model_len=2048, enforce_eager=True)
+    if model.dtype != torch.bfloat16 or pick_isa(torch.bfloat16, 128, 64) != "amx":
+        pytest.skip("this vLLM's rule does not pick amx for bf16 at block 128")
+    cache = CacheConfig(gpu_memory_utilization=0.5)
+    if not cpu_attention._accepts(16):  # 0.32: CPU attention takes multiples of 32 only -> nothing runs
+        with pytest.raises(RuntimeError, match="no block size runs on this CPU") as info:
+            engine_options._set_cpu_attention_block_size({"model_config": model, "cache_config": cache})
+        assert "\n" not in str(info.value)
+        return
+    engine_options._set_cpu_attention_block_size({"model_config": model, "cache_config": cache})
+    assert cache.block_size == 16
+    assert getattr(cache, "user_specified_block_size", True) is True
+
+
+@needs_rule
+def test_the_wrapper_leaves_what_the_plan_says(monkeypatch):
     """The block size the engine-options wrapper leaves on a real hand-built config."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.config import CacheConfig, ModelConfig

@@ -103,3 +103,29 @@ def test_a_massive_row_does_not_hide_the_other_rows(real):
     assert not rep.passed, rep.summary()  # without it, the figure is ~5e-2 > 3e-2
     assert rep.massive_rows["rows"] >= 1 and rep.massive_rows["ratio"] == MASSIVE_RATIO
     assert rep.errors[0][0] > TOLERANCE["bfloat16"]
+
+
+def test_a_row_of_another_token_is_refused_even_inside_the_spread(real):
+    """A copied row (its neighbour's) whose error is under the spread bound: refused as another
+    token's row. The copy is planted at a small distance by moving the reference rows together."""
+    ref = real["reference"].clone().float()
+    ref[801] = ref[800] + 0.2 * (ref[801] - ref[800])  # two close tokens (distance ~0.2 of the norm)
+    cap = ref.clone()
+    cap[801] = cap[800]  # the neighbour's row in its place
+    spread = [[torch.full((ref.shape[0],), 0.1)]]  # bound 0.3 everywhere
+    rep = compare([[cap.bfloat16()]], [[ref.bfloat16()]], "bfloat16", spread=spread)
+    err = float((cap[801] - ref[801]).norm() / ref[801].norm())
+    assert 0.1 < err < 0.3, err  # inside the spread bound, over the floor
+    assert not rep.passed, rep.summary()
+    assert rep.spread_allowed["rows_refused_as_another_tokens_row"] >= 1
+
+
+def test_massive_rows_are_held_to_the_tolerance_apart(real):
+    ref = real["reference"].clone().float()
+    ref[0] *= 50
+    cap = ref.clone()
+    cap[0] = ref[0] * 1.05  # 5 % off on the massive row only: under its row bound (0.1), over 3e-2
+    rep = compare([[cap.bfloat16()]], [[ref.bfloat16()]], "bfloat16")
+    assert rep.worst_row["error"] < ROW_TOLERANCE["bfloat16"]
+    assert not rep.passed, rep.summary()
+    assert rep.massive_errors[0][0] > TOLERANCE["bfloat16"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PLATFORM_PICK = 128  # CpuPlatform.check_and_update_config: block_size None -> 128 (0.12-0.32)
+METADATA_ARGS = ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc",
+                 "causal", "sliding_window_size", "isa", "enable_kv_split")
 CPU_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512f", "avx2")
 
 
@@ -56,6 +58,17 @@ def isa_rule():
     return getattr(cpu_attn, "_get_attn_isa", None)
 
 
+def pick_isa(dtype, block_size: int, head_size: int, kv_cache_dtype=None) -> str:
+    """The ISA the installed rule picks (0.12-0.13 take no head size, 0.32 a KV-cache dtype)."""
+    from ._signatures import accepts
+
+    rule = isa_rule()
+    kwargs = {"head_size": head_size} if accepts(rule, "head_size") else {}
+    if kv_cache_dtype and accepts(rule, "kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
+    return rule(dtype, block_size, **kwargs)
+
+
 def kernel_error(isa: str, dtype, head_size: int) -> str | None:
     """None where the installed kernel accepts ``isa`` for (dtype, head size), else its message."""
     import torch
@@ -87,18 +100,24 @@ def _accepts(block_size: int) -> bool:
 def attention_plan(dtype, head_size: int, requested: int | None, own: int = 16, kv_cache_dtype=None) -> AttentionPlan:
     """The block size to give the engine: ``requested`` (None: the platform picks PLATFORM_PICK)
     where its kernel runs, else speculators' ``own`` where vLLM accepts it and its kernel runs."""
+    from ._signatures import import_attr, require_params
+
     rule = isa_rule()
     name = str(dtype).replace("torch.", "")
     if rule is None:
         return AttentionPlan(name, head_size, ())
-    kwargs = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype and "kv_cache_dtype" in rule.__code__.co_varnames else {}
+    problem = require_params(rule, ("dtype", "block_size"), "cpu_attn._get_attn_isa") or require_params(
+        import_attr("vllm._custom_ops", "cpu_attn_get_scheduler_metadata"), METADATA_ARGS,
+        "vllm._custom_ops.cpu_attn_get_scheduler_metadata")
+    if problem:
+        raise RuntimeError(problem)
     first = PLATFORM_PICK if requested is None else requested
     tried = []
     for block in dict.fromkeys((first, own)):
         if block != first and not _accepts(block):
             tried.append((block, None, "not a block size this vLLM's CPU attention accepts"))
             continue
-        isa = rule(dtype, block, head_size, **kwargs)
+        isa = pick_isa(dtype, block, head_size, kv_cache_dtype)
         err = kernel_error(isa, dtype, head_size)
         tried.append((block, isa, err))
         if err is None:

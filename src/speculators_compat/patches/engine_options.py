@@ -117,8 +117,13 @@ def _set_cpu_attention_block_size(kwargs) -> None:
     # 0.32+: an unset block size reads as DEFAULT_BLOCK_SIZE with user_specified_block_size False,
     # and the platform still picks its own
     requested = cache_config.block_size if getattr(cache_config, "user_specified_block_size", True) else None
-    plan = attention_plan(model_config.dtype, model_config.get_head_size(), requested, own=own,
-                          kv_cache_dtype=getattr(cache_config, "cache_dtype", None))
+    try:
+        plan = attention_plan(model_config.dtype, model_config.get_head_size(), requested, own=own,
+                              kv_cache_dtype=getattr(cache_config, "cache_dtype", None))
+    except Exception as exc:  # noqa: BLE001 - the rest of engine-options still applies; check reports it
+        logger.warning("speculators_compat: cannot read vLLM's CPU attention rule (%s: %s); the platform's "
+                       "block size stands", type(exc).__name__, exc)
+        return
     if plan.problem:
         raise RuntimeError(f"speculators-compat: {plan.problem}")
     if plan.block_size is not None:
@@ -183,26 +188,7 @@ def _probe(current):
             import_attr("vllm.transformers_utils.config", "is_interleaved")
         except (ImportError, AttributeError) as exc:
             return f"expected vllm.transformers_utils.config.is_interleaved (create_engine_config uses it); not found ({exc})"
-    return _probe_cpu_attention() if on_cpu() else None
-
-
-def _probe_cpu_attention() -> str | None:
-    """The calls attention_plan makes, where this vLLM has the CPU ISA rule (0.12+)."""
-    from .cpu_attention import isa_rule
-
-    rule = isa_rule()
-    if rule is None:
-        return None
-    problem = require_params(rule, ("dtype", "block_size", "head_size"), "cpu_attn._get_attn_isa")
-    if problem:
-        return problem
-    try:
-        metadata = import_attr("vllm._custom_ops", "cpu_attn_get_scheduler_metadata")
-    except (ImportError, AttributeError) as exc:
-        return f"expected vllm._custom_ops.cpu_attn_get_scheduler_metadata (the CPU kernel's first op); not found ({exc})"
-    return require_params(metadata, ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype",
-                                     "query_start_loc", "causal", "sliding_window_size", "isa", "enable_kv_split"),
-                          "vllm._custom_ops.cpu_attn_get_scheduler_metadata")
+    return None
 
 
 def _codes(fn):

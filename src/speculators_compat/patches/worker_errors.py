@@ -36,6 +36,15 @@ HEADER = "Causes recorded by the workers (speculators-compat):"
 _START_LOCK = threading.Lock()  # starts in one process take turns (one folder in the environment)
 
 
+def _new_lock_in_child() -> None:  # a child forked while another thread held it would deadlock
+    global _START_LOCK
+    _START_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _short_path(path: str) -> str:
     marker = f"{os.sep}site-packages{os.sep}"
     return path.split(marker, 1)[1] if marker in path else os.path.basename(path)
@@ -62,14 +71,17 @@ def record_cause(folder: str, exc: BaseException) -> None:
 
 
 def read_causes(folder: str) -> list[dict]:
+    """The causes recorded in ``folder``, in rank order (unreadable or malformed records skipped)."""
     out = []
     for name in sorted(os.listdir(folder)):
         if name.startswith("cause-") and name.endswith(".json"):
             try:
                 with open(os.path.join(folder, name)) as fh:
-                    out.append(json.load(fh))
+                    entry = json.load(fh)
             except (OSError, ValueError):
                 continue
+            if isinstance(entry, dict) and {"worker", "pid", "cause"} <= set(entry):
+                out.append(entry)
     return sorted(out, key=lambda e: (_rank(e["worker"]), e["pid"]))
 
 
@@ -96,6 +108,8 @@ class CauseRecordingLogger:
         return self._logger.exception(msg, *args, **kwargs)
 
     def __getattr__(self, name):
+        if name == "_logger":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self._logger, name)
 
 
@@ -143,13 +157,17 @@ def _init_executor_with_causes(wrapped, instance, args, kwargs):
         except Exception as exc:
             if INIT_FAILED not in str(exc):
                 raise
-            causes = read_causes(folder)
-            if not causes:
-                time.sleep(0.2)  # a worker's record lands before its pipe closes; others may trail
+            try:
                 causes = read_causes(folder)
-            if not causes:
+                if not causes:
+                    time.sleep(0.2)  # a worker's record lands before its pipe closes; others may trail
+                    causes = read_causes(folder)
+                new = with_causes(exc, causes) if causes else None
+            except Exception:  # noqa: BLE001 - vLLM's own exception, as it was
+                new = None
+            if new is None or new is exc:
                 raise
-            raise with_causes(exc, causes) from exc.__cause__
+            raise new.with_traceback(exc.__traceback__) from exc.__cause__
         finally:
             if previous is None:
                 os.environ.pop(FOLDER_ENV, None)

@@ -486,6 +486,21 @@ def relative_error(a, b) -> float:
     return num / den
 
 
+def _own_row(c, r, i: int) -> bool:
+    """Whether captured row ``c[i]`` is nearer its own reference row ``r[i]`` than every other row
+    of ``r`` and has a norm within EXPLAINED_NORM_RATIO of it (a copied, shifted or scaled row is not)."""
+    import torch
+
+    norm_r = float(torch.linalg.vector_norm(r[i]))
+    ratio = float(torch.linalg.vector_norm(c[i])) / max(norm_r, 1e-30)
+    if not EXPLAINED_NORM_RATIO[0] <= ratio <= EXPLAINED_NORM_RATIO[1]:
+        return False
+    d = torch.linalg.vector_norm(r - c[i], dim=-1)
+    own = float(d[i])
+    d[i] = float("inf")
+    return own < float(d.min()) if d.numel() > 1 else True
+
+
 def _row_errors(a, b):
     """Per-token (row) relative errors ``||a_i - b_i|| / ||b_i||`` of two [len, hidden] tensors,
     float32 (NaN/inf in ``a`` give NaN/inf, never a pass)."""
@@ -530,6 +545,7 @@ class CompareReport:
     worst_unexplained: list[list[list]] = field(default_factory=list)  # [row, error] per (seq, k)
     margin_quantiles: dict = field(default_factory=dict)  # of the per-token min margin over MoE layers
     massive_rows: dict = field(default_factory=dict)  # rows over MASSIVE_RATIO x the median norm
+    massive_errors: list[list[float]] = field(default_factory=list)  # Frobenius over the massive rows, per (seq, k)
     spread_allowed: dict = field(default_factory=dict)  # rows whose spread bound exceeds row_tolerance
 
     def _ok(self, s: int, k: int) -> bool:
@@ -545,8 +561,10 @@ class CompareReport:
                 over = -1
         # with a spread, rows_over counts each row against its own bound (<= SPREAD_CAP)
         worst_bound = self.row_tolerance if not self.spread_allowed else max(self.row_tolerance, SPREAD_CAP)
+        me = self.massive_errors[s][k] if s < len(self.massive_errors) and k < len(self.massive_errors[s]) else 0.0
         return (
             math.isfinite(e) and e <= self.tolerance
+            and math.isfinite(me) and me <= self.tolerance
             and w is not None and math.isfinite(w) and w <= worst_bound
             and over == 0
         )
@@ -593,7 +611,8 @@ class CompareReport:
             "margin_tie": self.margin_tie, "explained_rows": self.explained,
             "unexplained_rows": self.unexplained, "errors_unexplained": self.errors_unexplained,
             "margin_quantiles": self.margin_quantiles,
-            "massive_rows": self.massive_rows, "spread_allowed": self.spread_allowed,
+            "massive_rows": self.massive_rows, "massive_errors": self.massive_errors,
+            "spread_allowed": self.spread_allowed,
         }
 
     def summary(self) -> str:
@@ -672,6 +691,8 @@ def compare(
     """
     import torch
 
+    if spread is not None and margins is not None:
+        raise ValueError("compare(): spread and margins are not combined (bf16 MoE rows are explained by near-ties)")
     name = _dtype_name(dtype)
     tol = TOLERANCE[name] if tolerance is None else float(tolerance)
     row_tol = ROW_TOLERANCE[name] if row_tolerance is None else float(row_tolerance)
@@ -680,7 +701,7 @@ def compare(
         rep.problems.append(f"{len(captured)} captured sequences vs {len(reference)} reference")
     all_rows = []
     massive_errs: list = []
-    allowed_n = allowed_over = 0
+    allowed_n = allowed_over = spread_refused = 0
     pairs: dict = {}  # (s, k) -> (capture, reference, row errors) for the near-tie pass
     nan = float("nan")
     for s, (cap, ref) in enumerate(zip(captured, reference)):
@@ -697,27 +718,34 @@ def compare(
                 rep.errors.append([nan] * len(ref_list))
                 rep.worst_rows.append([[None, nan] for _ in ref_list])
                 rep.rows_over.append([-1] * len(ref_list))
+                rep.massive_errors.append([0.0] * len(ref_list))
                 continue
         else:
             cap_list = list(cap)
         if len(cap_list) != len(ref_list):
             rep.problems.append(f"seq {s}: {len(cap_list)} captured layers vs {len(ref_list)}")
-        row, worst_row, over_row = [], [], []
+        row, worst_row, over_row, massive_row = [], [], [], []
         for k, (c, r) in enumerate(zip(cap_list, ref_list)):
             if tuple(c.shape) != tuple(r.shape):
                 rep.problems.append(f"seq {s} layer#{k}: shape {tuple(c.shape)} vs {tuple(r.shape)}")
                 row.append(nan)
                 worst_row.append([None, nan])
                 over_row.append(-1)
+                massive_row.append(0.0)
                 continue
             rows = _row_errors(c, r)
             norms = torch.linalg.vector_norm(r.detach().to("cpu", torch.float32).reshape(-1, r.shape[-1]), dim=-1)
-            massive = norms > MASSIVE_RATIO * norms.median() if norms.numel() else norms.bool()
+            med = norms.median() if norms.numel() else None
+            massive = norms > MASSIVE_RATIO * med if med is not None and float(med) > 0 else torch.zeros_like(norms, dtype=torch.bool)
+            c2, r2 = c.reshape(-1, c.shape[-1]), r.reshape(-1, r.shape[-1])
+            massive_fro = 0.0
             if bool(massive.any()) and not bool(massive.all()):
-                row.append(relative_error(c.reshape(-1, c.shape[-1])[~massive], r.reshape(-1, r.shape[-1])[~massive]))
+                row.append(relative_error(c2[~massive], r2[~massive]))
+                massive_fro = relative_error(c2[massive], r2[massive])  # held to the same tolerance, apart
                 massive_errs.append(rows[massive])
             else:
                 row.append(relative_error(c, r))
+            massive_row.append(massive_fro)
             bound = torch.full_like(rows, row_tol)
             if spread is not None:
                 sp = torch.as_tensor(spread[s][k]).to("cpu", torch.float32).reshape(-1)
@@ -727,7 +755,13 @@ def compare(
                     bound = (SPREAD_FACTOR * torch.nan_to_num(sp, nan=0.0)).clamp(min=row_tol, max=max(row_tol, SPREAD_CAP))
                     wider = bound > row_tol
                     allowed_n += int(wider.sum())
-                    allowed_over += int((wider & (rows > row_tol) & (rows <= bound)).sum())
+                    only = (wider & (rows > row_tol) & (rows <= bound)).nonzero().flatten().tolist()
+                    for i in only:  # a row the spread alone lets pass must still be its own token's row
+                        if not _own_row(c2.float(), r2.float(), i):
+                            bound[i] = row_tol
+                            spread_refused += 1
+                        else:
+                            allowed_over += 1
             pairs[(s, k)] = (c, r, rows)
             if rows.numel():
                 bad = ~(rows <= bound)  # NaN counts as bad
@@ -742,6 +776,7 @@ def compare(
         rep.errors.append(row)
         rep.worst_rows.append(worst_row)
         rep.rows_over.append(over_row)
+        rep.massive_errors.append(massive_row)
     if all_rows:
         flat = torch.nan_to_num(torch.cat(all_rows), nan=float("inf"))
         qs = torch.quantile(flat[:1_000_000].double(), torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64))
@@ -753,10 +788,9 @@ def compare(
         m = torch.nan_to_num(torch.cat(massive_errs), nan=float("inf"))
         rep.massive_rows = {"ratio": MASSIVE_RATIO, "rows": int(m.numel()), "max": float(m.max())}
     if spread is not None:
-        if margins is not None:
-            raise ValueError("compare(): spread and margins are not combined (bf16 MoE rows are explained by near-ties)")
         rep.spread_allowed = {"factor": SPREAD_FACTOR, "cap": SPREAD_CAP, "rows_bound_above_row_tolerance": allowed_n,
-                              "rows_passing_only_by_spread": allowed_over}
+                              "rows_passing_only_by_spread": allowed_over,
+                              "rows_refused_as_another_tokens_row": spread_refused}
     if margins is not None:
         _explain(rep, pairs, margins, layer_ids, name,
                  MARGIN_TIE[name] if margin_tie is None else float(margin_tie), token_ids)
