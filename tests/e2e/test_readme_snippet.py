@@ -25,7 +25,7 @@ RUNTIME = {"speculators_compat", "speculators", "vllm", "torch", "sys", "os"}  #
 
 def readme_snippet() -> str:
     text = README.read_text()
-    section = text[text.index("### In your own code"):]
+    section = text[text.index("## Use it in your own code"):]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "README's 'In your own code' section has no python block"
     return match.group(1)
