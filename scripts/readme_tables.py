@@ -17,10 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT / "src"))
-
-
-def _vkey(v: str):
-    return tuple(int(x) if x.isdigit() else 0 for x in re.split(r"[.+]", v))
+sys.path.insert(0, str(ROOT / "scripts"))
+from update_tested import _vkey  # noqa: E402 - the tested table's own version order
 
 
 def tested_table(matrix) -> str:
