@@ -37,6 +37,7 @@ HOOK_MODULES = (
     "speculators.data_generation.custom_worker",
     "vllm.v1.worker.gpu.model_runner",
     "speculators.data_generation.config_generator",
+    "speculators.data_generation.preprocessing",
     "vllm.v1.executor.multiproc_executor",
 )
 

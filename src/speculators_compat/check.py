@@ -26,6 +26,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from .layers import ADAPTERS, adapter_for
 from .patches._signatures import GENERATOR, WORKER, first_binding, import_attr, require_params
+from .patches.speculators_script import CONFIG_GENERATOR, PREPROCESSING
 from .registry import Call
 
 EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
@@ -206,8 +207,11 @@ def declared_calls(reg, statuses: list[dict]) -> list[tuple[str, object]]:
     """(origin, Call | forms) of speculators' own calls and of every applied patch's ``calls``."""
     out = [(origin, spec) for origin, spec in SPECULATORS_CALLS]
     applied = {r["id"] for r in statuses if r["status"] == "applied"}
+    chosen = {r["id"] for r in statuses if not r["reason"].startswith(_RANGED_OUT[:2])}
+    versions = reg.version_strings()
     for pid, patch in reg.patches.items():
-        if pid in applied:
+        gated_in = pid in chosen and pid in reg.matrix.patches and reg.matrix.patches[pid].gate(versions) is None
+        if pid in applied or (patch.script_target and gated_in):
             out.extend((f"patch {pid}", spec) for spec in patch.calls)
     return out
 
@@ -332,7 +336,7 @@ def _run_check() -> tuple[int, dict]:
     except Exception as exc:  # noqa: BLE001
         findings.append(Finding("import", "vllm", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
         return EXIT_CANNOT, out
-    for module in (GENERATOR, WORKER):
+    for module in (GENERATOR, WORKER, CONFIG_GENERATOR, PREPROCESSING):
         try:
             __import__(module)
         except Exception as exc:  # noqa: BLE001

@@ -5,6 +5,7 @@
 - ``check [--json] [--junit PATH]``: probes the installed vLLM/speculators (see check.py).
 - ``run <command…>``: the command, with the shim active in it and every Python process it starts
   (see launcher.py).
+- ``verify DIR [--quick] [--json]``: a data folder against its manifest (see output.py).
 - ``demo``: the test-bed demo (tiny model, real generator, HF reference) — see demo.py.
 - ``--version``.
 """
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--arch", default="llama")
     demo.add_argument("--layers", default=None, help="comma-separated layer ids (default: speculators' choice)")
     demo.add_argument("--json", default=None, help="write the demo's measurements to this file")
+    ver = sub.add_parser("verify", help="check a data folder against its manifest: exit 0 intact and complete, "
+                         "1 defects or incomplete, 2 no manifest")
+    ver.add_argument("folder")
+    ver.add_argument("--quick", action="store_true", help="sizes only (no checksums: no file is read)")
+    ver.add_argument("--json", action="store_true")
     sub.add_parser(
         "run",
         help="run a command (e.g. python data_generation_offline.py ...) with the shim active in it "
@@ -231,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_check(args)
         except (Exception, MemoryError) as exc:  # noqa: BLE001
             return _cannot("check", exc)
+    if args.command == "verify":
+        from .output import cmd_verify
+
+        return cmd_verify(args)
     if args.command == "demo":
         from .demo import run_demo
 

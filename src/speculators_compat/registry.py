@@ -124,6 +124,7 @@ class Patch:
     module_alias: str | None = None  # a module the patch registers in sys.modules (stand-ins)
     calls: tuple = ()  # Call | tuple[Call, ...] (alternative forms): the vLLM calls made; bound by check
     requires: tuple[str, ...] = ()  # patch ids this one needs applied where they are in range
+    script_target: bool = False  # the target exists only while a script runs: check binds its calls anyway
 
     @property
     def owner(self) -> tuple[str, str]:
@@ -344,6 +345,13 @@ class Registry:
             for module in self.hook_modules:
                 if module in sys.modules:
                     self._on_import(sys.modules[module])
+
+    def retry(self, pid: str) -> None:
+        """Gate and probe one patch again now: for a target defined after its hook module's
+        import (a script's functions). A no-op while inactive or once applied."""
+        with self._lock:
+            if self.active and pid in self._patches:
+                self._try_apply(self._patches[pid])
 
     def deactivate(self) -> None:
         with self._lock:

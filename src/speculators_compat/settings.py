@@ -62,6 +62,16 @@ SETTINGS: dict[str, Setting] = {
                 "`ray`: the generator's engine on vLLM's Ray executor (default `mp`: MultiprocExecutor)"),
         Setting("SPECULATORS_COMPAT_PIPELINE_PARALLEL_SIZE", "number", 1.0,
                 "pipeline stages of the generator's engine (`pipeline_parallel_size`)", minimum=0),
+        Setting("SPECULATORS_COMPAT_OUTPUT_RESUME", "text", "auto",
+                "speculators' script under `run`: `auto` resumes a folder made by the same run (refuses "
+                "another's) · `restart` deletes its data files first"),
+        Setting("SPECULATORS_COMPAT_OUTPUT_FSYNC", "flag", False,
+                "fsync each data file and the manifest before they count as written (power-loss safe)"),
+        Setting("SPECULATORS_COMPAT_SELF_CHECK_EVERY", "number", 64.0,
+                "speculators' script under `run`: sample 0 joins every Nth batch again and its rows must "
+                "match its first capture (the run stops if not; 0: off)", minimum=-1),
+        Setting("SPECULATORS_COMPAT_SAVE_BUFFER_MB", "number", 2048.0,
+                "the script's samples waiting to be saved, at most (MiB); the loop waits beyond it", minimum=0),
     ]
 }
 

@@ -114,3 +114,77 @@ def test_del_drops_only_attribute_error(generator_cls):
     finally:
         module.log = saved
     del gen.executor
+
+
+# -- script-resumable-output: its probe on the released scripts, and on near misses -----------
+
+
+def _released_script_globals(tag: str) -> dict:
+    """The released script's module namespace, as its main() sees it (its top level run, main() not)."""
+    import runpy
+    from pathlib import Path
+
+    from vllm import envs
+
+    path = Path(__file__).resolve().parents[1] / "e2e" / "speculators_scripts" / tag / "data_generation_offline.py"
+    before = dict(vars(envs))
+    try:
+        return runpy.run_path(str(path), run_name="speculators_script_probe")
+    finally:  # 0.4.x sets envs.VLLM_WORKER_MULTIPROC_METHOD at its top level: not for later tests
+        for key in set(vars(envs)) - set(before):
+            delattr(envs, key)
+        for key, value in before.items():
+            setattr(envs, key, value)
+
+
+def _this_release_tag() -> str:
+    from importlib.metadata import version
+
+    return "v0.3.0" if version("speculators") == "0.3.0" else "v0.4.0.1"
+
+
+def test_the_released_script_passes_the_output_probe_and_near_misses_do_not():
+    from speculators_compat.patches.speculators_script import _build_resumable, _probe_script
+    from speculators_compat.registry import MISSING, NotNeeded
+
+    g = _released_script_globals(_this_release_tag())
+    real = g["generate_and_save_hidden_states"]
+    assert _probe_script(real) is None
+    replacement = _build_resumable(real)
+    assert replacement.__wrapped__ is real
+    assert isinstance(_probe_script(MISSING), NotNeeded)
+
+    def generate_and_save_hidden_states(args, dataset):  # a user's own function of that name
+        return args, dataset
+
+    assert isinstance(_probe_script(generate_and_save_hidden_states), NotNeeded)
+    # the script's shape changed: it no longer saves through save_sample_to_disk -> drift, not skip
+    g2 = dict(g)
+    src = "def generate_and_save_hidden_states(args, dataset):\n    return find_last_checkpoint(args.output_dir)\n"
+    exec(compile(src, "changed_script.py", "exec"), g2)
+    problem = _probe_script(g2["generate_and_save_hidden_states"])
+    assert problem and not isinstance(problem, NotNeeded) and "save_sample_to_disk" in problem, problem
+    g3 = dict(g, save_config=lambda args: None)  # save_config's call no longer binds
+    exec(compile("def generate_and_save_hidden_states(args, dataset):\n" + "\n".join(
+        f"    {line}" for line in ["x = find_last_checkpoint, save_sample_to_disk, save_config",
+                                   "generator.generate(args.output_dir, args.target_model_path, args.layer_ids,"
+                                   " args.seq_length, args.gpu_memory_utilization, args.tensor_parallel_size,"
+                                   " args.batch_size, args.start_idx)"]) + "\n", "s.py", "exec"), g3)
+    problem = _probe_script(g3["generate_and_save_hidden_states"])
+    assert problem and "save_config(args, generator, num_samples, output_dir)" in problem, problem
+
+
+def test_the_sample_lengths_rule_follows_the_release():
+    from speculators_compat.patches.speculators_script import _build_resumable
+
+    for tag, writes in (("v0.3.0", False), ("v0.4.0.1", True)):
+        real = _released_script_globals(tag)["generate_and_save_hidden_states"]
+        assert ("sample_lengths.json" in real.__code__.co_consts) is writes, tag
+        assert callable(_build_resumable(real))
+
+
+def test_reading_the_scripts_leaves_vllm_envs_alone():
+    from vllm import envs
+
+    _released_script_globals("v0.4.0.1")
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in vars(envs)

@@ -68,7 +68,8 @@ def test_script_writes_every_file_and_its_metadata(run, files):
     rows = sp.chat_rows()
     names = sorted(p.name for p in run["out_dir"].iterdir())
     assert names == sorted([f"data_{i}.pt" for i in range(len(rows))] + ["data_config.json"]
-                           + (["sample_lengths.json"] if _is_04() else [])), names
+                           + (["sample_lengths.json"] if _is_04() else [])
+                           + ["speculators_compat_manifest.jsonl"]), names  # script-resumable-output's
     config = json.loads((run["out_dir"] / "data_config.json").read_text())
     assert config["model"]["tensor_parallel_size"] == 1  # the script's default, 0 on CPU, made 1
     assert config["hidden_states"]["layer_ids"] == sp.LAYER_IDS

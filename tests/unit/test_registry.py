@@ -827,6 +827,7 @@ def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
         "worker-capture-hooks": ("worker-v2-batch-order",),
         "worker-capture-rpc": ("worker-capture-hooks",),
         "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify",),
+        "script-resumable-output": ("script-main-ready",),
     }
     for pid, needed in declared.items():
         assert set(needed) <= set(patches), pid
@@ -857,3 +858,39 @@ def test_shipped_dependencies_generate_driver_needs_request_args_from_vllm_017(c
     with pytest.raises(ValueError, match="excludes 'generate-driver', which patch 'async-scheduling' requires"):
         registry("0.32.0").configure(strict=False, selection="-request-args,-generate-driver")
     registry("0.32.0").configure(strict=False, selection="-request-args,-generate-driver,-async-scheduling")
+
+
+def test_retry_applies_a_target_defined_after_its_hook_and_revert_restores_it(fake_modules):
+    """A script's function exists only once the script runs: the patch is skipped at the hook
+    module's import (its probe says not needed), applied by ``retry`` once the function exists,
+    a second retry is a no-op, and deactivate() puts the script's own function back."""
+    from speculators_compat.registry import NotNeeded
+
+    hook = fake_modules.write("x = 1\n")
+    script = fake_modules.write("pass\n")
+    importlib.import_module(script)
+
+    def probe(current):
+        return NotNeeded("not defined yet") if current is MISSING else None
+
+    p, builds = counted_patch("late", hook, "g", probe=probe, owner_module=script)
+    reg = make_registry([p])
+    reg.activate()
+    importlib.import_module(hook)
+    assert status(reg, "late").status == "skipped" and "not defined yet" in status(reg, "late").reason
+    module = sys.modules[script]
+    reg.retry("late")
+    assert status(reg, "late").status == "skipped"  # still nothing to patch
+
+    def g(x):
+        return ("orig", x)
+
+    module.g = g
+    reg.retry("late")
+    reg.retry("late")
+    assert status(reg, "late").status == "applied" and builds == [g]
+    assert module.g(3) == ("patched", ("orig", 3))
+    reg.deactivate()
+    assert module.g is g
+    reg.retry("late")  # inactive: nothing happens
+    assert module.g is g

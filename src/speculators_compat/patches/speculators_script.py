@@ -33,18 +33,35 @@ Versions: compat_matrix.yaml.
   ``AttributeError: 'NoneType' object has no attribute 'warning'`` at every exit (measured:
   0.4.0.1 on vLLM 0.32; the script itself drops its generator earlier and is not affected). The
   patch runs speculators' ``__del__`` and drops only an ``AttributeError`` raised from it.
+- ``script-resumable-output`` (speculators 0.3.0 and 0.4.x): the script's
+  ``generate_and_save_hidden_states`` writes each ``data_N.pt`` straight to its final name, resumes
+  from the highest index + 1 (holes and a truncated last file stay), keeps no record of what made
+  the data, and queues every batch's saves without bound. The replacement keeps its contract
+  (same generator call, same files and ``sample_lengths.json``, the script's own ``save_config``)
+  and writes through ``output.py``: temporary name + rename, a manifest, resume of exactly the
+  missing files (their whole original batches run again, so rows are computed as before), a
+  refusal in one line for a folder made by other settings, saves bounded in bytes. The script's
+  functions exist only once ``main()`` runs: ``script-main-ready`` (on speculators'
+  ``load_and_preprocess_dataset``, the script's first call) asks the registry to try it then.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-from ..registry import MISSING, Patch, wrapper_patch
+from ..registry import MISSING, Call, NotNeeded, Patch, wrapper_patch
 from ._signatures import GENERATOR, import_attr, require_params
 
 CONFIG_GENERATOR = "speculators.data_generation.config_generator"
+PREPROCESSING = "speculators.data_generation.preprocessing"
+SCRIPT_FUNCTION = "generate_and_save_hidden_states"
 _log = logging.getLogger("speculators_compat")
 
 
@@ -164,6 +181,235 @@ def _probe_del(current):
     return None
 
 
+# -- script-resumable-output ----------------------------------------------------------------
+
+# what the replaced function reads of the script's arguments (its own code: checked by the probe)
+_ARGS = ("output_dir", "target_model_path", "layer_ids", "seq_length", "gpu_memory_utilization",
+         "tensor_parallel_size", "batch_size", "start_idx")
+_GENERATOR_KWARGS = ("model_path", "layer_ids", "max_model_len", "gpu_memory_utilization", "tensor_parallel_size")
+
+
+def _probe_script(current):
+    if current is MISSING:
+        return NotNeeded("__main__ defines no generate_and_save_hidden_states (not speculators' "
+                         "data_generation_offline.py, or its main() has not started)")
+    g = getattr(current, "__globals__", None)
+    code = getattr(current, "__code__", None)
+    if g is None or code is None or g.get("VllmHiddenStatesGenerator") is not import_attr(GENERATOR, "VllmHiddenStatesGenerator"):
+        return NotNeeded("__main__.generate_and_save_hidden_states is not speculators' script's (it does not "
+                         "use speculators' VllmHiddenStatesGenerator)")
+    problem = require_params(current, ("args", "dataset"), "generate_and_save_hidden_states")
+    if problem:
+        return problem
+    missing = [n for n in ("find_last_checkpoint", "save_sample_to_disk", "save_config", "generate", *_ARGS)
+               if n not in code.co_names]
+    if missing:
+        return ("expected speculators' generate_and_save_hidden_states to call find_last_checkpoint, "
+                f"save_sample_to_disk, save_config and generator.generate and read args {', '.join(_ARGS)}; "
+                f"found none of {', '.join(missing)}")
+    save_config = g.get("save_config")
+    if not callable(save_config):
+        return f"expected the script's save_config(args, generator, num_samples, output_dir); found {save_config!r}"
+    try:
+        inspect.signature(save_config).bind(None, None, 0, "dir")
+    except TypeError as exc:
+        return f"expected save_config(args, generator, num_samples, output_dir) to bind; {exc}"
+    return None
+
+
+def _write_lengths(folder: Path, manifest, fsync: bool) -> None:
+    from .. import output
+
+    output.atomic_write_bytes(folder / output.LENGTHS, json.dumps(manifest.lengths(), indent=2).encode(), fsync)
+
+
+def _data_config(script: dict, args, generator, num_samples: int, folder: Path) -> dict:
+    """The script's own save_config, run into a private folder; its data_config.json as a dict."""
+    tmp = Path(tempfile.mkdtemp(prefix=".speculators_compat.config.", dir=folder))
+    try:
+        script["save_config"](args, generator, num_samples, str(tmp))
+        return json.loads((tmp / "data_config.json").read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
+    from .. import get_registry, output, settings
+
+    log = script.get("log") or _log
+    folder = Path(args.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    fsync = settings.flag("SPECULATORS_COMPAT_OUTPUT_FSYNC")
+    mode = (settings.text("SPECULATORS_COMPAT_OUTPUT_RESUME") or "auto").lower()
+    if mode not in ("auto", "restart"):
+        raise SystemExit(f"speculators-compat: SPECULATORS_COMPAT_OUTPUT_RESUME={mode!r}: expected auto or restart")
+    limit = int(settings.number("SPECULATORS_COMPAT_SAVE_BUFFER_MB") * 2**20)
+    n, first, bs = len(dataset), int(args.start_idx), int(args.batch_size)
+    run = {
+        "format": output.FORMAT, "model": str(args.target_model_path),
+        "model_config_sha256": output.model_config_sha256(str(args.target_model_path)),
+        "train_data_path": str(getattr(args, "train_data_path", None)), "seq_length": args.seq_length,
+        "max_samples": getattr(args, "max_samples", None), "seed": getattr(args, "seed", None),
+        "assistant_pattern": getattr(args, "assistant_pattern", None),
+        "turn_dropout": getattr(args, "turn_dropout", None), "layer_ids": args.layer_ids, "start_idx": first,
+        "num_samples": n, "dataset_probe": output.dataset_probe(lambda i: dataset[i]["input_ids"], n),
+        "writes_sample_lengths": writes_lengths, "batch_size": bs,
+        "versions": get_registry().version_strings(),
+    }
+    manifest = output.Manifest.read(folder)
+    present = output.data_files(folder)
+    if mode == "restart":
+        for p in [*present.values(), *(folder / f for f in (output.LENGTHS, output.CONFIG, output.MANIFEST))]:
+            p.unlink(missing_ok=True)
+        manifest, present = output.Manifest(folder), {}
+        log.info(f"SPECULATORS_COMPAT_OUTPUT_RESUME=restart: removed the data files of {folder}")
+    for p in folder.glob(output._TMP_PREFIX + "*"):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    if manifest.run is None:
+        if present:
+            raise SystemExit(
+                f"speculators-compat: {folder} holds {len(present)} data_*.pt file(s) but no {output.MANIFEST}: "
+                "they were not written by this crash-consistent output and cannot be trusted; use a new "
+                "--output-dir, or SPECULATORS_COMPAT_OUTPUT_RESUME=restart to delete them and start over")
+        manifest.start(run, fsync)
+    else:
+        problem = output.identity_mismatch(manifest.run, run)
+        if problem:
+            raise SystemExit(
+                f"speculators-compat: {folder} holds data of another run ({problem}); use a new --output-dir, "
+                "or SPECULATORS_COMPAT_OUTPUT_RESUME=restart to delete it and start over")
+        if manifest.run.get("versions") != run["versions"]:
+            log.info(f"speculators_compat: resuming data made with {manifest.run.get('versions')} "
+                     f"under {run['versions']}")
+        manifest.reopen(fsync)
+    done = {i for i, rec in manifest.files.items()
+            if first <= i < first + n and i in present and present[i].stat().st_size == rec["bytes"]}
+    batches = [s for s in range(0, n, bs) if any(first + i not in done for i in range(s, min(s + bs, n)))]
+    if not batches:
+        if writes_lengths:
+            _write_lengths(folder, manifest, fsync)
+        if not (folder / output.CONFIG).exists() and manifest.data_config is not None:
+            output.atomic_write_bytes(folder / output.CONFIG, json.dumps(manifest.data_config, indent=2).encode(), fsync)
+        log.info("All samples already processed!")
+        return 0
+    if done:
+        log.subsection(f"Resuming: {len(done)} of {n} files complete ({output.MANIFEST}); "
+                       f"{len(batches)} batch(es) of {bs} to run")
+    log.subsection("Initializing vLLM hidden states generator")
+    generator = script["VllmHiddenStatesGenerator"](
+        model_path=args.target_model_path, layer_ids=args.layer_ids, max_model_len=args.seq_length,
+        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
+    layer_ids = [int(x) for x in generator.layer_ids]
+    config = _data_config(script, args, generator, n, folder)
+    recorded = (manifest.data_config or {}).get("hidden_states", {}).get("layer_ids")
+    if recorded is not None and recorded != config.get("hidden_states", {}).get("layer_ids"):
+        raise SystemExit(f"speculators-compat: {folder} holds data of layers {recorded}; this run captures "
+                         f"{layer_ids}; use a new --output-dir")
+    manifest.append({"data_config": config})
+    last = [time.monotonic()]
+
+    def saved() -> None:  # sample_lengths.json: a consistent subset while running, at most every 30 s
+        if writes_lengths and time.monotonic() - last[0] > 30:
+            last[0] = time.monotonic()
+            _write_lengths(folder, manifest, fsync)
+
+    queue = output.SaveQueue(manifest, int(script.get("MAX_IO_WORKERS", 4)), limit, fsync, saved)
+    log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
+    progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
+    canary = _Canary(folder, manifest, first, dataset, int(settings.number("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
+                     first in done)
+    try:
+        for s in progress:
+            batch = dataset[s:min(s + bs, n)]
+            extra = canary.joins(s // bs)  # by batch number alone: a resumed batch is the batch it was
+            results = generator.generate(list(batch["input_ids"]) + extra)
+            results, again = (results[:-1], results[-1]) if extra else (results, None)
+            for j, result in enumerate(results):
+                index = first + s + j
+                input_len = len(result["input_ids"])
+                obj = {"input_ids": result["input_ids"],
+                       "hidden_states": [h.contiguous() for h in result["hidden_states"]],
+                       "loss_mask": batch["loss_mask"][j][:input_len]}
+                canary.first_capture(index, obj)
+                if index not in done:  # else computed again only to keep the batch as it was
+                    queue.submit(index, output.data_name(index), obj, input_len, layer_ids)
+            if again is not None:
+                canary.check(s // bs, again)
+    finally:
+        log.info("Waiting for remaining file saves to complete...")
+        queue.drain()  # a generate error is raised after the saves already begun are complete
+    if canary.checks:
+        log.info(f"speculators_compat self-check: sample {first} captured again in {canary.checks} batch(es), "
+                 f"largest row error {canary.worst:.3g} (limit {output.CANARY_TOLERANCE})")
+    if writes_lengths:
+        _write_lengths(folder, manifest, fsync)
+    output.atomic_write_bytes(folder / output.CONFIG, json.dumps(config, indent=2).encode(), fsync)
+    log.info(f"Saved {queue.saved} new data points to {args.output_dir} (largest save backlog "
+             f"{queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
+    return queue.saved
+
+
+class _Canary:
+    """The run's self-check: sample 0 of the dataset joins every ``every``-th batch (by number)
+    once more; its rows there must match its first capture (``output.canary_error``). A mismatch
+    is recorded in the manifest and stops the run."""
+
+    def __init__(self, folder: Path, manifest, first: int, dataset, every: int, saved: bool):
+        self.folder, self.manifest, self.first, self.every = folder, manifest, first, max(0, every)
+        self.ids = list(dataset[0]["input_ids"]) if self.every else None
+        self.reference = None
+        self.saved = saved
+        self.checks, self.worst = 0, 0.0
+
+    def joins(self, batch_number: int) -> list:
+        return [self.ids] if self.every and batch_number % self.every == self.every - 1 else []
+
+    def first_capture(self, index: int, obj: dict) -> None:
+        if index == self.first and self.reference is None:
+            self.reference = obj
+
+    def check(self, batch_number: int, again: dict) -> None:
+        from .. import output
+
+        if self.reference is None and self.saved:
+            import torch
+
+            self.reference = torch.load(self.folder / output.data_name(self.first), weights_only=True)
+        err, problem = output.canary_error(self.reference, again)
+        self.checks, self.worst = self.checks + 1, max(self.worst, err)
+        self.manifest.append({"self_check": {"batch": batch_number, "sample": self.first, "max_rel_error": err,
+                                             "verdict": "fail" if problem else "pass", "problem": problem}})
+        if problem:
+            raise RuntimeError(
+                f"speculators-compat self-check failed: sample {self.first}, captured again in batch "
+                f"{batch_number}: {problem}; this run's data cannot be trusted (recorded in {output.MANIFEST})")
+
+
+def _build_resumable(current):
+    script = current.__globals__
+    writes_lengths = "sample_lengths.json" in current.__code__.co_consts  # speculators 0.4.x writes it
+
+    def generate_and_save_hidden_states(args, dataset):
+        return _resumable_run(script, writes_lengths, args, dataset)
+
+    generate_and_save_hidden_states.__wrapped__ = current
+    generate_and_save_hidden_states.__doc__ = current.__doc__
+    return generate_and_save_hidden_states
+
+
+def _script_ready(wrapped, instance, args, kwargs):
+    from .. import get_registry
+
+    get_registry().retry("script-resumable-output")  # the script's main() is running: its functions exist
+    return wrapped(*args, **kwargs)
+
+
+def _probe_preprocessing(current):
+    if current is MISSING or not callable(current):
+        return f"expected {PREPROCESSING}.load_and_preprocess_dataset; found {current!r}"
+    return None
+
+
 PATCHES = [
     wrapper_patch(
         "generator-del-partial",
@@ -188,5 +434,26 @@ PATCHES = [
         "get_device_name",
         _device_name,
         _probe_device_name,
+    ),
+    wrapper_patch(
+        "script-main-ready",
+        "speculators-script",
+        PREPROCESSING,
+        "load_and_preprocess_dataset",
+        _script_ready,
+        _probe_preprocessing,
+    ),
+    Patch(
+        id="script-resumable-output",
+        family="speculators-script",
+        hook_module=PREPROCESSING,
+        owner_module="__main__",
+        attribute=SCRIPT_FUNCTION,
+        build=_build_resumable,
+        probe=_probe_script,
+        calls=(Call(GENERATOR, "VllmHiddenStatesGenerator", kwargs=_GENERATOR_KWARGS),
+               Call(GENERATOR, "VllmHiddenStatesGenerator.generate", args=("token_ids",))),
+        requires=("script-main-ready",),
+        script_target=True,
     ),
 ]

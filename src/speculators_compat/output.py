@@ -1,0 +1,410 @@
+"""Crash-consistent, resumable output for speculators' data folders, and ``verify``.
+
+A data folder holds ``data_N.pt`` files, a manifest (``speculators_compat_manifest.jsonl``) and
+speculators' ``sample_lengths.json`` / ``data_config.json``. Each file is written under a hidden
+temporary name in the same folder and renamed when complete; only then does the manifest gain
+its line (index, tokens, layer ids, bytes, SHA-256). The manifest's first line names what
+produces the data; a resume with anything else is refused in one line. ``verify`` checks a folder
+against its manifest. Nothing here imports vLLM; torch only when a file is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MANIFEST = "speculators_compat_manifest.jsonl"
+LENGTHS = "sample_lengths.json"
+CONFIG = "data_config.json"
+FORMAT = 1
+_DATA = re.compile(r"^data_(\d+)\.pt$")
+_TMP_PREFIX = ".speculators_compat."
+
+
+class OutputRefused(RuntimeError):
+    """The folder holds data this run must not extend or overwrite (one line: the reason)."""
+
+
+def data_name(index: int) -> str:
+    return f"data_{index}.pt"
+
+
+def data_files(folder: Path) -> dict[int, Path]:
+    """``data_N.pt`` files in ``folder`` by N (as speculators' own scripts find them)."""
+    out = {}
+    for p in folder.iterdir() if folder.is_dir() else ():
+        m = _DATA.match(p.name)
+        if m:
+            out[int(m.group(1))] = p
+    return out
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
+    """``path`` holds either its old content or ``data``, never a part of it."""
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through (torch.save writes
+    its zip archive sequentially)."""
+
+    def __init__(self, f):
+        self._f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
+    """``torch.save(obj)`` to ``path`` through a temporary name; returns (bytes, sha256 hex)."""
+    import torch
+
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            w = _HashingWriter(f)
+            torch.save(obj, w)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return w.size, w.sha.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Manifest:
+    """The append-only manifest: line 1 ``{"run": ...}``, then ``{"file": ...}`` per completed
+    file and ``{"data_config": ...}``. A torn last line (a crash mid-append) is cut off on open."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path = self.folder / MANIFEST
+        self.run: dict | None = None
+        self.files: dict[int, dict] = {}
+        self.data_config: dict | None = None
+        self.self_checks: list[dict] = []
+        self.torn = 0  # bytes of an incomplete last line
+        self.bad_lines: list[int] = []
+        self._lock = threading.Lock()
+        self._fsync = False
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        m = cls(folder)
+        if not m.path.exists():
+            return m
+        raw = m.path.read_bytes()
+        end = raw.rfind(b"\n") + 1
+        m.torn = len(raw) - end
+        for n, line in enumerate(raw[:end].splitlines(), 1):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                m.bad_lines.append(n)
+                continue
+            if n == 1 and "run" in rec:
+                m.run = rec["run"]
+            elif "file" in rec:
+                m.files[int(rec["index"])] = rec
+            elif "data_config" in rec:
+                m.data_config = rec["data_config"]
+            elif "self_check" in rec:
+                m.self_checks.append(rec["self_check"])
+            else:
+                m.bad_lines.append(n)
+        return m
+
+    def start(self, run: dict, fsync: bool) -> None:
+        """A new manifest holding only ``run`` (written atomically)."""
+        self.run, self.files, self.data_config, self._fsync = run, {}, None, fsync
+        atomic_write_bytes(self.path, (json.dumps({"run": run}, sort_keys=True) + "\n").encode(), fsync)
+
+    def reopen(self, fsync: bool) -> None:
+        """Continue an existing manifest: drop a torn last line so appends start on a line."""
+        self._fsync = fsync
+        if self.torn:
+            with open(self.path, "r+b") as f:
+                f.truncate(os.path.getsize(self.path) - self.torn)
+            self.torn = 0
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, line)
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if "file" in record:
+                self.files[int(record["index"])] = record
+            elif "data_config" in record:
+                self.data_config = record["data_config"]
+            elif "self_check" in record:
+                self.self_checks.append(record["self_check"])
+
+    def lengths(self) -> dict[str, int]:
+        """``sample_lengths.json`` as speculators writes it: file index (str) -> tokens, in order."""
+        with self._lock:
+            return {str(i): self.files[i]["tokens"] for i in sorted(self.files)}
+
+
+# the run fields that must match for a folder to be extended (versions only warn)
+# (the model by its config.json's hash where it is a local folder, else by its name; the data by
+# the preprocessed samples, not by the paths they were read from)
+IDENTITY = ("format", "model_config_sha256", "seq_length", "max_samples", "seed", "assistant_pattern",
+            "turn_dropout", "layer_ids", "start_idx", "num_samples", "dataset_probe")
+
+
+def identity_mismatch(old: dict, new: dict) -> str | None:
+    keys = IDENTITY if old.get("model_config_sha256") and new.get("model_config_sha256") else ("model", *IDENTITY)
+    for key in keys:
+        if old.get(key) != new.get(key):
+            return f"{key}: expected {old.get(key)!r} (the folder's manifest); found {new.get(key)!r} (this run)"
+    return None
+
+
+def dataset_probe(input_ids_at, n: int) -> str:
+    """A fingerprint of the preprocessed dataset: its size and the token ids of up to 8 evenly
+    spaced samples (a different data file, seed, template or max-samples changes it)."""
+    h = hashlib.sha256(str(n).encode())
+    for i in sorted({(k * (n - 1)) // 7 for k in range(8)} if n else ()):
+        h.update(json.dumps([int(t) for t in input_ids_at(i)]).encode())
+    return h.hexdigest()[:32]
+
+
+def model_config_sha256(model_path: str) -> str | None:
+    cfg = Path(model_path) / "config.json"
+    return file_sha256(cfg) if cfg.is_file() else None
+
+
+class SaveQueue:
+    """Saves on ``workers`` threads with at most ``limit_bytes`` of samples in flight (one sample
+    may exceed it alone); a failed save is raised by the next ``submit`` or by ``drain``."""
+
+    def __init__(self, manifest: Manifest, workers: int, limit_bytes: int, fsync: bool, on_saved=None):
+        self._manifest, self._fsync, self._on_saved = manifest, fsync, on_saved
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="speculators-compat-save")
+        self._limit = limit_bytes
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._pending = 0
+        self._error: BaseException | None = None
+        self.peak_inflight = 0
+        self.saved = 0
+
+    def submit(self, index: int, name: str, obj: dict, tokens: int, layer_ids: list[int]) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in obj["hidden_states"])
+        with self._cond:
+            while self._error is None and self._inflight and self._inflight + nbytes > self._limit:
+                self._cond.wait()
+            self._raise()
+            self._inflight += nbytes
+            self._pending += 1
+            self.peak_inflight = max(self.peak_inflight, self._inflight)
+        self._pool.submit(self._save, index, name, obj, tokens, layer_ids, nbytes)
+
+    def _save(self, index, name, obj, tokens, layer_ids, nbytes) -> None:
+        try:
+            size, sha = save_tensor_file(obj, self._manifest.folder / name, self._fsync)
+            self._manifest.append({"file": name, "index": index, "tokens": tokens, "layer_ids": layer_ids,
+                                   "bytes": size, "sha256": sha})
+            if self._on_saved is not None:
+                self._on_saved()
+        except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
+            with self._cond:
+                self._error = self._error or exc
+        finally:
+            with self._cond:
+                self._inflight -= nbytes
+                self._pending -= 1
+                if self._error is None:
+                    self.saved += 1
+                self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"saving a data file failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def drain(self) -> None:
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+        self._pool.shutdown(wait=True)
+        with self._cond:
+            self._raise()
+
+
+# -- self-check -------------------------------------------------------------------------------
+
+CANARY_TOLERANCE = 0.1  # relative, per row: batch-composition noise in bf16 is ~1e-2; a misplaced row ~1
+
+
+def canary_error(reference: dict, again: dict) -> tuple[float, str | None]:
+    """(largest per-row relative error, problem or None) of a sample captured twice in different
+    batches: its token ids must match and each row of each layer stay within CANARY_TOLERANCE."""
+    import torch
+
+    a_ids, b_ids = torch.as_tensor(reference["input_ids"]), torch.as_tensor(again["input_ids"])
+    if not torch.equal(a_ids.cpu(), b_ids.cpu()):
+        return float("inf"), f"token ids differ ({len(a_ids)} vs {len(b_ids)} tokens)"
+    if len(reference["hidden_states"]) != len(again["hidden_states"]):
+        return float("inf"), f"{len(reference['hidden_states'])} vs {len(again['hidden_states'])} layers"
+    worst = 0.0
+    for layer, (a, b) in enumerate(zip(reference["hidden_states"], again["hidden_states"])):
+        if a.shape != b.shape:
+            return float("inf"), f"layer {layer}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        a32, b32 = a.float().cpu(), b.float().cpu()
+        rel = (a32 - b32).norm(dim=-1) / a32.norm(dim=-1).clamp_min(1e-6)
+        row = int(rel.argmax())
+        worst = max(worst, float(rel[row]))
+        if not float(rel[row]) <= CANARY_TOLERANCE:
+            return float(rel[row]), (f"layer {layer} row {row}: relative error {float(rel[row]):.3g} > "
+                                     f"{CANARY_TOLERANCE} (a sample's rows must not depend on its batch)")
+    return worst, None
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+
+class Defect:
+    """One thing wrong with a data folder; ``str`` is the message."""
+
+    def __init__(self, kind: str, name: str, detail: str):
+        self.kind, self.name, self.detail = kind, name, detail
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.name}: {self.detail}"
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "detail": self.detail}
+
+
+def verify(folder: Path, checksums: bool = True) -> tuple[dict, list[Defect]]:
+    """(summary, defects) of ``folder`` against its manifest. Raises OutputRefused without one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise OutputRefused(f"{folder}: not a folder")
+    m = Manifest.read(folder)
+    if m.run is None:
+        raise OutputRefused(f"{folder}: no readable {MANIFEST} (not written by speculators-compat run)")
+    defects: list[Defect] = []
+    if m.bad_lines:
+        defects.append(Defect("manifest", MANIFEST, f"unreadable lines {m.bad_lines[:10]}"))
+    first, n = int(m.run["start_idx"]), int(m.run["num_samples"])
+    expected = range(first, first + n)
+    present = data_files(folder)
+    layers = (m.data_config or {}).get("hidden_states", {}).get("layer_ids")
+    for index in expected:
+        name, rec, path = data_name(index), m.files.get(index), present.get(index)
+        if rec is None:
+            defects.append(Defect("missing", name, "not recorded in the manifest"
+                                  + (" (a file of that name exists: incomplete or foreign)" if path else "")))
+        elif path is None:
+            defects.append(Defect("missing", name, "recorded in the manifest; no such file"))
+        elif path.stat().st_size != rec["bytes"]:
+            defects.append(Defect("truncated" if path.stat().st_size < rec["bytes"] else "size", name,
+                                  f"expected {rec['bytes']} bytes; found {path.stat().st_size}"))
+        elif checksums and file_sha256(path) != rec["sha256"]:
+            defects.append(Defect("checksum", name, f"expected sha256 {rec['sha256'][:16]}…; found another"))
+        elif layers is not None and rec.get("layer_ids") != layers:
+            defects.append(Defect("layers", name, f"expected layer ids {layers}; found {rec.get('layer_ids')}"))
+    for index in sorted(set(present) - set(expected)):
+        defects.append(Defect("foreign", data_name(index), f"outside this run's files data_{first}..data_{first + n - 1}"))
+    for p in folder.iterdir():
+        if p.name.startswith(_TMP_PREFIX):
+            defects.append(Defect("partial", p.name, "a temporary file of an interrupted save"))
+    complete = all(i in m.files for i in expected)
+    if m.run.get("writes_sample_lengths"):
+        lp = folder / LENGTHS
+        want = m.lengths()
+        try:
+            have = json.loads(lp.read_text()) if lp.exists() else None
+        except ValueError:
+            have = "unreadable"
+        if have is None:
+            if complete:
+                defects.append(Defect("missing", LENGTHS, "the run is complete; no such file"))
+        elif not isinstance(have, dict) or any(want.get(k) != v for k, v in have.items()):
+            defects.append(Defect("lengths", LENGTHS, "entries disagree with the manifest's token counts"))
+        elif complete and have != want:
+            defects.append(Defect("lengths", LENGTHS, f"expected {len(want)} entries; found {len(have)}"))
+    for check in m.self_checks:
+        if check.get("verdict") != "pass":
+            defects.append(Defect("self-check", data_name(check.get("sample", first)),
+                                  f"batch {check.get('batch')}: {check.get('problem')}"))
+    if complete and not (folder / CONFIG).exists():
+        defects.append(Defect("missing", CONFIG, "the run is complete; no such file"))
+    summary = {"folder": str(folder), "expected_files": n, "recorded_files": sum(i in m.files for i in expected),
+               "complete": complete, "checksums": checksums, "model": m.run.get("model"),
+               "layer_ids": layers, "seq_length": m.run.get("seq_length"),
+               "versions": m.run.get("versions"), "self_checks": len(m.self_checks),
+               "self_check_max_error": max((c.get("max_rel_error", 0.0) for c in m.self_checks), default=None),
+               "defects": len(defects)}
+    return summary, defects
+
+
+def cmd_verify(args) -> int:
+    """``speculators-compat verify DIR``: exit 0 complete and intact, 1 defects, 2 no manifest."""
+    try:
+        summary, defects = verify(Path(args.folder), checksums=not args.quick)
+    except OutputRefused as exc:
+        print(f"speculators-compat verify: {exc}", file=__import__("sys").stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dict(summary, defects=[d.as_dict() for d in defects]), indent=2))
+    else:
+        for d in defects[:50]:
+            print(d)
+        if len(defects) > 50:
+            print(f"... and {len(defects) - 50} more")
+        verdict = "ok" if not defects else f"{len(defects)} defect(s)"
+        print(f"{summary['folder']}: {summary['recorded_files']}/{summary['expected_files']} files recorded, "
+              f"{'complete' if summary['complete'] else 'incomplete'}, {summary['self_checks']} self-check(s), "
+              f"{'checksums read' if summary['checksums'] else 'sizes only'}: {verdict}")
+    return 0 if not defects else 1

@@ -1,0 +1,151 @@
+"""output.SaveQueue and save_tensor_file with real torch: files load back equal with the recorded
+size and checksum, the bytes waiting to be saved stay under the bound however slow the disk, and a
+failed save stops the loop with its cause instead of being lost in a thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculators_compat import output  # noqa: E402
+
+
+def sample(rows: int, hidden: int = 64, layers: int = 3, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.arange(rows), "loss_mask": torch.ones(rows, dtype=torch.long),
+            "hidden_states": [torch.randn(rows, hidden, generator=g).to(torch.bfloat16) for _ in range(layers)]}
+
+
+def test_saved_files_load_back_and_match_their_record(tmp_path):
+    m = output.Manifest(tmp_path)
+    m.start({"num_samples": 4, "start_idx": 0}, fsync=False)
+    q = output.SaveQueue(m, workers=2, limit_bytes=1 << 20, fsync=True)
+    samples = [sample(10 + i, seed=i) for i in range(4)]
+    for i, s in enumerate(samples):
+        q.submit(i, output.data_name(i), s, len(s["input_ids"]), [1, 2, 3])
+    q.drain()
+    again = output.Manifest.read(tmp_path)
+    assert sorted(again.files) == [0, 1, 2, 3] and q.saved == 4
+    for i, s in enumerate(samples):
+        p = tmp_path / output.data_name(i)
+        rec = again.files[i]
+        assert rec["bytes"] == p.stat().st_size and rec["sha256"] == output.file_sha256(p)
+        back = torch.load(p, weights_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], s["hidden_states"], strict=True))
+    assert not list(tmp_path.glob(".speculators_compat.*"))
+
+
+def test_the_same_sample_gives_the_same_bytes(tmp_path):
+    a = output.save_tensor_file(sample(7), tmp_path / "a.pt")
+    b = output.save_tensor_file(sample(7), tmp_path / "b.pt")
+    assert a == b and (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+
+
+def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):
+    real = output.save_tensor_file
+    waiting = []
+
+    def slow(obj, path, fsync=False):
+        time.sleep(0.02)
+        return real(obj, path, fsync)
+
+    monkeypatch.setattr(output, "save_tensor_file", slow)
+    one = sample(64)
+    per = sum(t.numel() * t.element_size() for t in one["hidden_states"])
+    limit = 3 * per
+    m = output.Manifest(tmp_path)
+    m.start({"num_samples": 40, "start_idx": 0}, fsync=False)
+    q = output.SaveQueue(m, workers=4, limit_bytes=limit, fsync=False)
+    start = time.monotonic()
+    for i in range(40):
+        q.submit(i, output.data_name(i), sample(64, seed=i), 64, [1])
+        waiting.append(q.peak_inflight)
+    q.drain()
+    assert q.peak_inflight <= limit, (q.peak_inflight, limit)
+    assert time.monotonic() - start >= 40 * 0.02 / 3 * 0.9  # the loop did wait: 3 saves at a time
+    assert len(output.Manifest.read(tmp_path).files) == 40
+    unbounded = output.SaveQueue(output.Manifest(tmp_path / "u"), 4, limit_bytes=1 << 40, fsync=False)
+    (tmp_path / "u").mkdir()
+    unbounded._manifest.start({}, fsync=False)
+    for i in range(40):
+        unbounded.submit(i, output.data_name(i), sample(64, seed=i), 64, [1])
+    unbounded.drain()
+    assert unbounded.peak_inflight > limit  # the bound is what kept the first queue small
+
+
+def test_a_failed_save_is_raised_with_its_cause(tmp_path, monkeypatch):
+    calls = threading.Event()
+
+    def full(obj, path, fsync=False):
+        calls.set()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(output, "save_tensor_file", full)
+    m = output.Manifest(tmp_path)
+    m.start({}, fsync=False)
+    q = output.SaveQueue(m, workers=1, limit_bytes=1, fsync=False)
+    with pytest.raises(RuntimeError, match="saving a data file failed: OSError: .*No space left on device"):
+        for i in range(50):
+            q.submit(i, output.data_name(i), sample(8), 8, [1])
+        q.drain()
+    assert calls.is_set() and output.Manifest.read(tmp_path).files == {}
+
+
+# -- the run's self-check: a sample captured twice must keep its rows ----------------------------
+
+
+def _capture(rows: int = 12, seed: int = 3) -> dict:
+    s = sample(rows, hidden=64, layers=3, seed=seed)
+    s["hidden_states"][0][0] *= 40  # a massive first row, as trained models have
+    return s
+
+
+def _with(states_fn, base: dict) -> dict:
+    return {"input_ids": base["input_ids"].clone(), "hidden_states": states_fn([h.clone() for h in base["hidden_states"]])}
+
+
+def test_the_same_rows_pass_and_batch_noise_passes():
+    ref = _capture()
+    assert output.canary_error(ref, _with(lambda hs: hs, ref)) == (0.0, None)
+    g = torch.Generator().manual_seed(9)
+    def noise(hs):  # 1 % of each row's own scale, as bf16 batch-composition noise is
+        return [(h.float() + 1e-2 * h.float().std(dim=-1, keepdim=True) * torch.randn(h.shape, generator=g)).to(h.dtype)
+                for h in hs]
+
+    noisy = _with(noise, ref)
+    err, problem = output.canary_error(ref, noisy)
+    assert problem is None and 0 < err < output.CANARY_TOLERANCE
+
+
+def _swap(hs):
+    hs[1][[3, 7]] = hs[1][[7, 3]]
+    return hs
+
+
+def _shift(hs):
+    hs[2] = torch.roll(hs[2], 1, dims=0)
+    return hs
+
+
+def _zero(hs):
+    hs[0][5] = 0
+    return hs
+
+
+@pytest.mark.parametrize("plant, where", [(_swap, "layer 1 row"), (_shift, "layer 2 row"), (_zero, "layer 0 row 5")])
+def test_a_planted_misplacement_fails(plant, where):
+    ref = _capture()
+    err, problem = output.canary_error(ref, _with(plant, ref))
+    assert problem and where in problem and err > output.CANARY_TOLERANCE, (err, problem)
+
+
+def test_another_samples_rows_or_tokens_fail():
+    ref = _capture()
+    other = _capture(seed=4)
+    assert output.canary_error(ref, other)[1].startswith("layer 0 row")
+    shorter = {"input_ids": ref["input_ids"][:-1], "hidden_states": [h[:-1] for h in ref["hidden_states"]]}
+    assert "token ids differ" in output.canary_error(ref, shorter)[1]

@@ -1,0 +1,236 @@
+"""speculators' released ``data_generation_offline.py`` under ``speculators-compat run``, killed
+with SIGKILL (its whole process group: script, engine, workers) at several points and re-run
+with the same command: the folder must end as an uninterrupted run's, file for file and byte for
+byte, with a manifest ``verify`` accepts. Also: planted damage (a truncated and a deleted data
+file, a torn manifest line) is recomputed; another run's settings and an unmanifested folder are
+refused in one line; ``verify`` names truncation, deletion, a flipped byte and a foreign file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+pytest.importorskip("vllm")
+pytest.importorskip("speculators")
+
+import script_pipeline as sp  # noqa: E402
+
+from speculators_compat import output  # noqa: E402
+
+BATCH = 2
+ROWS = 14  # 7 batches: kills land between and inside batches
+CANARY_EVERY = 3  # sample 0 joins batches 2 and 5 again (the run's self-check)
+
+
+def rows() -> list[dict]:
+    base = sp.chat_rows()
+    out = []
+    for i in range(ROWS):
+        r = json.loads(json.dumps(base[i % len(base)]))
+        turn = r["conversations"][-1]
+        key = "value" if "value" in turn else "content"
+        turn[key] = f"{turn[key]} (sample {i})"
+        out.append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    work = tmp_path_factory.mktemp("resume")
+    data = work / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    return {"work": work, "data": data, "model": sp.tiny_chat_model(),
+            "script": sp.script_for(sp.installed_speculators())}
+
+
+def command(setup, out: Path, layer_ids=sp.LAYER_IDS, work: Path | None = None) -> list[str]:
+    args = sp.script_args(setup["model"], setup["data"], out, work or setup["work"])
+    i = args.index("--batch-size")
+    args[i + 1] = str(BATCH)
+    j = args.index("--layer-ids")
+    args[j + 1:j + 1 + len(sp.LAYER_IDS)] = [str(x) for x in layer_ids]
+    return [sys.executable, "-m", "speculators_compat", "run", sys.executable, str(setup["script"]), *args]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    e["HF_HUB_OFFLINE"] = e["HF_DATASETS_OFFLINE"] = "1"
+    e["SPECULATORS_COMPAT_SELF_CHECK_EVERY"] = str(CANARY_EVERY)
+    return e
+
+
+def run(setup, out: Path, kill_when=None, timeout: float = 900, **kw) -> dict:
+    """Run the script; with ``kill_when(out)`` polled every 10 ms, SIGKILL its process group once true."""
+    start = time.monotonic()
+    proc = subprocess.Popen(command(setup, out, **kw), cwd=kw.get("work") or setup["work"], env=env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = False
+    if kill_when is not None:
+        while proc.poll() is None and time.monotonic() - start < timeout:
+            if kill_when(out):
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.01)
+    text, _ = proc.communicate(timeout=timeout)
+    if killed:
+        try:  # workers of the killed group must be gone before the next run starts its own
+            os.killpg(proc.pid, 0)
+            time.sleep(1)
+        except ProcessLookupError:
+            pass
+    return {"rc": proc.returncode, "killed": killed, "log": text, "seconds": time.monotonic() - start}
+
+
+def recorded(out: Path) -> int:
+    return len(output.Manifest.read(out).files) if (out / output.MANIFEST).exists() else 0
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("data_*.pt"))}
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    out = setup["work"] / "uninterrupted"
+    r = run(setup, out)
+    assert r["rc"] == 0, r["log"][-4000:]
+    assert sorted(contents(out)) == sorted(f"data_{i}.pt" for i in range(ROWS))
+    checks = output.Manifest.read(out).self_checks
+    assert [c["batch"] for c in checks] == [2, 5] and all(c["verdict"] == "pass" for c in checks), checks
+    print(f"\nself-check of the uninterrupted run: {checks}")
+    return out
+
+
+def test_killed_at_every_stage_resumes_to_the_uninterrupted_files(setup, reference):
+    out = setup["work"] / "killed"
+    work = setup["work"] / "killed-work"  # its own datasets cache: preprocessing runs anew
+    work.mkdir()
+    stages = []
+    # 1. during preprocessing (the datasets cache appears before the output folder)
+    r = run(setup, out, work=work, kill_when=lambda o: not o.exists() and (work / "hf_datasets").exists())
+    stages.append(("preprocessing", r, recorded(out)))
+    # 2. and 3. during extraction and saving: after 3, then after 8 files are recorded
+    for k in (3, 8):
+        r = run(setup, out, work=work, kill_when=lambda o, k=k: recorded(o) >= k)
+        stages.append((f"after {k} files", r, recorded(out)))
+    # planted damage, as a power loss leaves it: a truncated file, a lost one, a torn manifest line
+    files = output.Manifest.read(out).files
+    victims = sorted(files)[:2]
+    torn = out / output.data_name(victims[0])
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    (out / output.data_name(victims[1])).unlink()
+    with open(out / output.MANIFEST, "ab") as f:
+        f.write(b'{"file": "data_99.pt", "index": 99, "tok')
+    # 4. during the final writes: the moment every file is recorded
+    r = run(setup, out, work=work, kill_when=lambda o: recorded(o) >= ROWS)
+    stages.append(("final writes", r, recorded(out)))
+    # 5. the same command once more, to the end
+    r = run(setup, out, work=work)
+    stages.append(("to the end", r, recorded(out)))
+    report = [(name, x["rc"], x["killed"], n, round(x["seconds"], 1)) for name, x, n in stages]
+    print("\nstages (name, exit, killed, files recorded after, s):", report)
+    assert all(x["killed"] for _, x, _ in stages[:3]), report  # each kill landed where it was aimed
+    assert stages[1][2] < ROWS and stages[2][2] < ROWS, report
+    assert r["rc"] == 0, r["log"][-4000:]
+    assert contents(out) == contents(reference), "a resumed file differs from the uninterrupted run's"
+    for name in ("sample_lengths.json",) if (reference / "sample_lengths.json").exists() else ():
+        assert json.loads((out / name).read_text()) == json.loads((reference / name).read_text())
+    assert (out / "data_config.json").exists()
+    summary, defects = output.verify(out)
+    assert defects == [] and summary["complete"], [str(d) for d in defects]
+    assert not list(out.glob(".speculators_compat.*")), "temporary files left behind"
+    checks = output.Manifest.read(out).self_checks
+    assert checks and all(c["verdict"] == "pass" for c in checks), checks
+
+
+def test_resumed_files_hold_the_same_tensors(reference, setup):
+    """Bytes equal implies tensors equal; this reads them back as speculators' trainer does."""
+    import torch
+
+    out = setup["work"] / "killed"
+    if not (out / output.MANIFEST).exists():
+        pytest.skip("the kill test did not run")
+    for name in sorted(contents(reference)):
+        a, b = torch.load(reference / name, weights_only=True), torch.load(out / name, weights_only=True)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(torch.as_tensor(a["loss_mask"]),
+                                                                           torch.as_tensor(b["loss_mask"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True)), name
+
+
+def test_a_finished_folder_is_not_recomputed(setup, reference):
+    out = setup["work"] / "finished"
+    shutil.copytree(reference, out)
+    (out / "data_config.json").unlink()  # as a kill just before the last write leaves it
+    (out / "sample_lengths.json").unlink(missing_ok=True)
+    r = run(setup, out)
+    assert r["rc"] == 0, r["log"][-3000:]
+    assert "All samples already processed!" in r["log"] and "Initializing vLLM" not in r["log"], r["log"][-2000:]
+    assert contents(out) == contents(reference)
+    assert json.loads((out / "data_config.json").read_text()) == json.loads((reference / "data_config.json").read_text())
+    assert output.verify(out)[1] == []
+
+
+def one_line_refusal(r: dict) -> str:
+    lines = [ln for ln in r["log"].splitlines() if ln.startswith("speculators-compat: ")]
+    assert r["rc"] == 1 and len(lines) == 1 and "Traceback" not in r["log"], r["log"][-3000:]
+    return lines[0]
+
+
+def test_other_layers_are_refused_in_one_line(setup, reference):
+    out = setup["work"] / "other-layers"
+    shutil.copytree(reference, out)
+    before = contents(out)
+    line = one_line_refusal(run(setup, out, layer_ids=[1, 2, 3, 3]))
+    assert "layer_ids: expected [0, 1, 2, 3]" in line and "found [1, 2, 3, 3]" in line, line
+    assert contents(out) == before
+
+
+def test_a_folder_without_manifest_is_refused(setup, reference):
+    out = setup["work"] / "unmanifested"
+    out.mkdir()
+    shutil.copy(reference / "data_0.pt", out / "data_0.pt")
+    line = one_line_refusal(run(setup, out))
+    assert "no speculators_compat_manifest.jsonl" in line and "SPECULATORS_COMPAT_OUTPUT_RESUME=restart" in line
+
+
+def verify_cli(folder: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speculators_compat", "verify", str(folder), *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_verify_names_each_planted_defect(setup, reference):
+    ok = verify_cli(reference)
+    assert ok.returncode == 0 and ": ok" in ok.stdout, ok.stdout + ok.stderr
+    bad = setup["work"] / "damaged"
+    shutil.copytree(reference, bad)
+    p = bad / "data_1.pt"
+    p.write_bytes(p.read_bytes()[:-100])  # truncated
+    (bad / "data_2.pt").unlink()  # deleted
+    p = bad / "data_3.pt"
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0xFF  # same size, one byte flipped
+    p.write_bytes(bytes(b))
+    shutil.copy(bad / "data_0.pt", bad / f"data_{ROWS + 5}.pt")  # foreign
+    r = verify_cli(bad, "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    found = {(d["kind"], d["name"]) for d in json.loads(r.stdout)["defects"]}
+    assert {("truncated", "data_1.pt"), ("missing", "data_2.pt"), ("checksum", "data_3.pt"),
+            ("foreign", f"data_{ROWS + 5}.pt")} <= found, found
+    quick = verify_cli(bad, "--quick", "--json")  # sizes only: the flipped byte passes, the rest not
+    kinds = {(d["kind"], d["name"]) for d in json.loads(quick.stdout)["defects"]}
+    assert quick.returncode == 1 and ("checksum", "data_3.pt") not in kinds and ("truncated", "data_1.pt") in kinds
+    none = verify_cli(setup["work"])
+    assert none.returncode == 2 and "no readable speculators_compat_manifest.jsonl" in none.stderr
