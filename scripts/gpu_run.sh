@@ -72,6 +72,21 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   wait $p1 $p2 $p3 $p4
   echo "e2e done at +$(( $(date +%s) - t0 ))s"
 fi
+if [[ " $STEPS " == *" rehearse "* ]]; then
+  echo "== check --model on the released configs (tests/data/released_configs), speculators 0.4.0.1"
+  VV=$(PYTHONPATH=$SITE python3 -c 'import vllm; print(vllm.__version__)')
+  DENSE_ONLY=${REHEARSE_DENSE:-gemma-3-1b-it,llama-3.1-8b-instruct,mistral-7b-v0.1,qwen3-8b}
+  MOE_ONLY=${REHEARSE_MOE:-}
+  MLA_ONLY=${REHEARSE_MLA:-}
+  for group in "$DENSE_ONLY:TRITON_ATTN" "$MOE_ONLY:TRITON_ATTN" "$MLA_ONLY:TRITON_MLA"; do
+    only=${group%%:*}; backend=${group##*:}; [ -n "$only" ] || continue
+    SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE \
+      timeout ${REHEARSE_TIMEOUT:-500} python3 scripts/rehearse_released.py --label "gpu_spec-0.4.0.1_vllm-$VV" \
+      --only "$only" --out-dir "$OUT" ${REHEARSE_CONTROLS:+--controls "$REHEARSE_CONTROLS"}
+    REHEARSE_CONTROLS=
+  done
+  echo "rehearse done at +$(( $(date +%s) - t0 ))s"
+fi
 if [[ " $STEPS " == *" v1 "* ]]; then
   echo "== e2e cells with the V1 model runner forced (VLLM_USE_V2_MODEL_RUNNER=0)"
   export VLLM_USE_V2_MODEL_RUNNER=0

@@ -171,6 +171,25 @@ def cmd_report_patch(args) -> int:
     return 0
 
 
+def cmd_rehearse(args) -> int:
+    """``check --model``: exit 0 the rehearsal passes, 2 it fails, 3 it cannot run (one line why)."""
+    try:
+        from .testing import rehearsal
+    except ImportError as exc:
+        return _cannot("check", ImportError(f"check --model needs the test bed (pip install speculators-compat-testing): {exc}"))
+    try:
+        ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    except ValueError:
+        return _cannot("check", ValueError(f"--layer-ids: expected comma-separated integers; found {args.layer_ids!r}"))
+    try:
+        result = rehearsal.rehearse(args.model, layer_ids=ids, tensor_parallel_size=args.tensor_parallel_size,
+                                    max_model_len=args.max_model_len, dtype=args.dtype, workdir=args.keep)
+    except (Exception, MemoryError) as exc:  # noqa: BLE001 - CannotRehearse and anything before the engine
+        return _cannot("check", exc)
+    print(json.dumps(result, indent=2, default=str) if args.json else rehearsal.render(result))
+    return rehearsal.exit_code(result)
+
+
 def _cannot(command: str, exc: BaseException) -> int:
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0][:300]}" if text else f"{type(exc).__name__} (no message)"
@@ -199,6 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--json", action="store_true")
     chk.add_argument("--junit", default=None, metavar="PATH", help="also write a JUnit XML report")
     chk.add_argument("--verbose", "-v", action="store_true", help="list passing checks too, and tracebacks in full")
+    chk.add_argument("--model", default=None, metavar="PATH",
+                     help="rehearse this model (its folder or config.json; no weights read): a shrunk copy of the "
+                     "same architecture through speculators' generator on this machine, every row compared with HF")
+    chk.add_argument("--layer-ids", default=None, help="with --model: the layer ids the real run captures (comma-separated)")
+    chk.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model: the real run's TP")
+    chk.add_argument("--max-model-len", type=int, default=None, help="with --model: the real run's max model length")
+    chk.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                     help="with --model: the engine dtype (auto: speculators' choice)")
+    chk.add_argument("--keep", default=None, metavar="DIR", help="with --model: keep the shrunk model and raw result here")
     demo = sub.add_parser("demo", help="tiny model through speculators' generator, compared with HF")
     demo.add_argument("--arch", default="llama")
     demo.add_argument("--layers", default=None, help="comma-separated layer ids (default: speculators' choice)")
@@ -230,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report_patch(args) if args.patch else cmd_report(args)
         except (Exception, MemoryError) as exc:  # noqa: BLE001 - exit 3 with one line, never 1 with a traceback
             return _cannot("report", exc)
+    if args.command == "check" and args.model:
+        return cmd_rehearse(args)
     if args.command == "check":
         try:
             from .check import cmd_check

@@ -30,6 +30,28 @@ class OutputRefused(RuntimeError):
     """The folder holds data this run must not extend or overwrite (one line: the reason)."""
 
 
+_LOCKS: dict[str, int] = {}  # folder -> the open descriptor holding its lock (this process's lifetime)
+
+
+def lock_folder(folder: Path) -> None:
+    """Hold an exclusive lock on ``folder`` until this process ends (``flock`` on the directory
+    itself: no file is added, the kernel drops it at exit or kill); OutputRefused while another
+    run holds it, so a second run never sweeps or overwrites a live run's files."""
+    import fcntl
+
+    key = str(Path(folder).resolve())
+    if key in _LOCKS:
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputRefused(f"{folder}: another run is writing this folder (it holds the folder's lock); "
+                            "wait for it to end or use another --output-dir") from None
+    _LOCKS[key] = fd
+
+
 def data_name(index: int) -> str:
     return f"data_{index}.pt"
 

@@ -140,3 +140,26 @@ def test_a_failed_self_check_is_a_defect_and_passes_are_counted(tmp_path):
                              "problem": "layer 1 row 3: relative error 0.9 > 0.1"}})
     summary, defects = output.verify(tmp_path)
     assert [str(d) for d in defects] == ["self-check: data_0.pt: batch 5: layer 1 row 3: relative error 0.9 > 0.1"]
+
+
+def test_a_second_run_cannot_take_a_locked_folder(tmp_path):
+    """Two runs in one folder: the second is refused in one line (the first's lock is held by the
+    kernel for the first process's life), before it sweeps temporary files or writes anything."""
+    import subprocess
+    import sys
+
+    from speculators_compat import output
+
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(output.OutputRefused, match="another run is writing this folder"):
+            output.lock_folder(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    output.lock_folder(tmp_path)  # the holder is gone: the kernel released its lock
+    output.lock_folder(tmp_path)  # this process again: a no-op
+    assert list(tmp_path.iterdir()) == []  # no lock file in the data folder

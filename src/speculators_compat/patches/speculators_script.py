@@ -239,6 +239,10 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     log = script.get("log") or _log
     folder = Path(args.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        output.lock_folder(folder)
+    except output.OutputRefused as exc:
+        raise SystemExit(f"speculators-compat: {exc}") from None
     fsync = settings.flag("SPECULATORS_COMPAT_OUTPUT_FSYNC")
     mode = (settings.text("SPECULATORS_COMPAT_OUTPUT_RESUME") or "auto").lower()
     if mode not in ("auto", "restart"):

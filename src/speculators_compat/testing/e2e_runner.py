@@ -135,15 +135,20 @@ def run(args, progress=None) -> dict:
         "engine_dtype": engine_dtype,
         "cases": {},
     }
-    say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
     overrides = json.loads(args.overrides) if args.overrides else None
     result["overrides"] = overrides
     quantization = getattr(args, "quantization", None)
     result["quantization"] = quantization
-    model_dir = tiny_models.build_tiny_model(
-        args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides,
-        **({"quantization": quantization} if quantization else {}),
-    )
+    if getattr(args, "model_dir", None):  # a checkpoint built elsewhere (the rehearsal's shrunk model)
+        from pathlib import Path
+
+        model_dir = Path(args.model_dir)
+    else:
+        say(f"building tiny {args.arch} model ({args.num_layers} layers, hidden {args.hidden_size})")
+        model_dir = tiny_models.build_tiny_model(
+            args.arch, num_layers=args.num_layers, hidden_size=args.hidden_size, overrides=overrides,
+            **({"quantization": quantization} if quantization else {}),
+        )
     result["model_dir"] = portable_path(model_dir)  # the cache entry's name, no machine path
     hf_dir = tiny_models.hf_reference_dir(model_dir)  # a quantized model: HF on its dequantized copy
     if hf_dir != model_dir:
@@ -480,6 +485,9 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="llama")
+    parser.add_argument("--model-dir", default=None,
+                        help="run this checkpoint instead of building a tiny one (--arch then names the "
+                        "test-bed family whose engine environment applies)")
     parser.add_argument("--out", default=None, help="write the JSON result here (default: stdout)")
     parser.add_argument("--unpatched", action="store_true", help="disable the shim in every process")
     parser.add_argument("--layers", default=None)
