@@ -65,6 +65,9 @@ cell() {  # speculators-version arch [extra runner args]
 }
 t0=$(date +%s)
 PYTHONPATH=$SITE python3 -c 'import vllm, speculators_compat; print("vllm", vllm.__version__)'
+# preflight: the modules speculators' generator imports (a bundle missing a wheel, e.g. llguidance,
+# whose annotation vllm.v1.request evaluates, fails every cell at import: stop here instead)
+PYTHONPATH=$SITE python3 -c 'import vllm.v1.request, vllm.v1.core.kv_cache_utils' || { echo "bundle incomplete: vLLM's engine modules do not import"; exit 5; }
 if [[ " $STEPS " == *" e2e "* ]]; then
   echo "== e2e cells"
   # (wait on the two pids only: a bare `wait` would also wait for the tee of `exec > >(tee ...)`)
@@ -75,7 +78,7 @@ fi
 if [[ " $STEPS " == *" rehearse "* ]]; then
   echo "== check --model on the released configs (tests/data/released_configs), speculators 0.4.0.1"
   VV=$(PYTHONPATH=$SITE python3 -c 'import vllm; print(vllm.__version__)')
-  DENSE_ONLY=${REHEARSE_DENSE:-gemma-3-1b-it,llama-3.1-8b-instruct,mistral-7b-v0.1,qwen3-8b}
+  DENSE_ONLY=${REHEARSE_DENSE-gemma-3-1b-it,llama-3.1-8b-instruct,mistral-7b-v0.1,qwen3-8b}
   MOE_ONLY=${REHEARSE_MOE:-}
   MLA_ONLY=${REHEARSE_MLA:-}
   for group in "$DENSE_ONLY:TRITON_ATTN" "$MOE_ONLY:TRITON_ATTN" "$MLA_ONLY:TRITON_MLA"; do

@@ -66,6 +66,13 @@ def main() -> int:
         result["controls"][f"{slug} -{pid}"] = r
         print(f"  {r.get('verdict')} exit {r['exit_code']}: {msg[:300]}", flush=True)
         out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    try:  # the GPU, where there is one (provenance names only what this process initialised)
+        import torch
+
+        if torch.cuda.is_available():
+            result["provenance"]["machine"]["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - no torch here: a CPU record
+        pass
     from speculators_compat.testing.provenance import scrub_paths
 
     out_path.write_text(json.dumps(scrub_paths(result), indent=2, default=str) + "\n")
