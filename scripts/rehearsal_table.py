@@ -1,0 +1,45 @@
+"""Print the markdown table of the committed rehearsal results (benchmarks/results/rehearsal/*.json):
+one row per released config, one column per result file (verdict, wall time, worst row error)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cell(r: dict | None) -> str:
+    if not r:
+        return "—"
+    verdict = r.get("verdict", "?")
+    wall = r.get("process_wall_s") or r.get("wall_s") or 0
+    rows = [c.get("max_row_error") for n, c in (r.get("cases") or {}).items() if n != "repeat" and c.get("max_row_error") is not None]
+    worst = f", worst row {max(rows):.1e}" if rows else ""
+    if verdict == "cannot":
+        tail = (r.get("stderr_tail") or "").strip().splitlines()
+        why = tail[-1].split("cannot check: ", 1)[-1][:90] if tail else "?"
+        return f"cannot: {why}"
+    return f"**{verdict}** ({wall:.0f} s{worst})"
+
+
+def main() -> int:
+    files = sorted((ROOT / "benchmarks" / "results" / "rehearsal").glob("*.json"))
+    data = {f.stem: json.loads(f.read_text()) for f in files}
+    slugs = sorted({s for d in data.values() for s in d.get("models", {})})
+    print("| config | " + " | ".join(data) + " |")
+    print("| --- |" + " --- |" * len(data))
+    for s in slugs:
+        print(f"| {s} | " + " | ".join(cell(d.get("models", {}).get(s)) for d in data.values()) + " |")
+    for name, d in data.items():
+        for key, r in (d.get("controls") or {}).items():
+            f = r.get("failure") or {}
+            first = str(f.get("message", "")).splitlines()[0][:120] if f else ""
+            print(f"\n- {name}: `{key}` -> {r.get('verdict')} (exit {r.get('exit_code')}): {first}", end="")
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
