@@ -49,7 +49,24 @@ def lock_folder(folder: Path) -> None:
         os.close(fd)
         raise OutputRefused(f"{folder}: another run is writing this folder (it holds the folder's lock); "
                             "wait for it to end or use another --output-dir") from None
+    except OSError as exc:  # a file system without flock (some NFS / Lustre mounts): run unlocked, say so
+        os.close(fd)
+        import warnings
+
+        warnings.warn(f"speculators_compat: {folder} cannot be locked ({type(exc).__name__}: {exc}); "
+                      "nothing stops a second run from writing it at the same time", RuntimeWarning, stacklevel=2)
+        return
     _LOCKS[key] = fd
+    # a forked child (a data-loader or engine process) must not keep the lock after this process ends
+    os.register_at_fork(after_in_child=lambda fd=fd: _drop_inherited(fd))
+
+
+def _drop_inherited(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    _LOCKS.clear()
 
 
 def data_name(index: int) -> str:

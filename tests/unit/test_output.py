@@ -163,3 +163,44 @@ def test_a_second_run_cannot_take_a_locked_folder(tmp_path):
     output.lock_folder(tmp_path)  # the holder is gone: the kernel released its lock
     output.lock_folder(tmp_path)  # this process again: a no-op
     assert list(tmp_path.iterdir()) == []  # no lock file in the data folder
+
+
+def test_a_folder_that_cannot_be_locked_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    """Some NFS / Lustre mounts refuse flock (ENOLCK, ENOSYS): the run goes on, and says so."""
+    import errno
+    import fcntl
+
+    from speculators_compat import output
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.warns(RuntimeWarning, match="cannot be locked .*No locks available"):
+        output.lock_folder(tmp_path / ".")
+    assert str((tmp_path / ".").resolve()) not in output._LOCKS
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    """The lock is the process's, not its forked children's: a child that outlives the run (an
+    orphaned worker after a kill) must not make the resume look like a second run."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time; sys.path.insert(0, sys.argv[2]); from speculators_compat import output; "
+            "output.lock_folder(sys.argv[1]); pid = os.fork()\n"
+            "if pid == 0:\n    os.close(1); os.close(2); time.sleep(30); os._exit(0)\n"
+            "print(pid, flush=True); os._exit(0)")
+    src = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), src], capture_output=True, text=True, timeout=60)
+    child = int(proc.stdout.strip())
+    try:
+        from speculators_compat import output
+
+        output._LOCKS.pop(str(tmp_path.resolve()), None)
+        output.lock_folder(tmp_path)  # the parent is gone, its child alive: the lock is free
+    finally:
+        import os
+        import signal
+
+        os.kill(child, signal.SIGKILL)

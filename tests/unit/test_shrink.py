@@ -126,3 +126,21 @@ def test_call_site_names_the_innermost_library_frame():
           '  File "/x/site-packages/vllm/v1/worker/gpu_model_runner.py", line 99, in execute_model\n'
           '  File "/usr/lib/python3.12/functools.py", line 5, in wrapper\n')
     assert rehearsal._call_site(tb) == "vllm/v1/worker/gpu_model_runner.py:99 in execute_model"
+
+
+def test_keep_never_deletes_a_folder_a_rehearsal_did_not_write(tmp_path):
+    """``--keep DIR`` replaces DIR/model only when DIR holds a rehearsal's marker: a user's own
+    model folder named ``model`` under DIR is refused, untouched."""
+    (tmp_path / "config.json").write_text(json.dumps(_cfg()))
+    mine = tmp_path / "model"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"the user's weights")
+    with pytest.raises(rehearsal.CannotRehearse, match="exists and was not written by a rehearsal"):
+        rehearsal.rehearse(tmp_path, workdir=tmp_path)
+    assert (mine / "model.safetensors").read_bytes() == b"the user's weights"
+
+
+def test_tensor_parallel_size_must_be_positive(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_cfg()))
+    with pytest.raises(rehearsal.CannotRehearse, match="--tensor-parallel-size: expected a positive integer; found 0"):
+        rehearsal.rehearse(tmp_path, tensor_parallel_size=0, workdir=tmp_path / "keep")

@@ -178,6 +178,8 @@ def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
     if not isinstance(text, dict) or _transformers_classes(cfg.get("model_type")) is not None:
         return None
     text_type = text.get("model_type")
+    if text_type not in CONFIG_MAPPING and text.get("architectures") == ["DeepseekV3ForCausalLM"]:
+        text_type = "deepseek_v3"  # Kimi-K2.5's released text_config says kimi_k2 (transformers < 5 lacks it)
     if text_type not in CONFIG_MAPPING:
         raise ValueError(
             f"{cfg_path}: wrapper model_type {cfg.get('model_type')!r} and its text_config model_type "

@@ -32,6 +32,7 @@ FAMILY = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "tiktoken.model", "chat_template.jinja", "chat_template.json")
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+_KEEP_MARKER = ".speculators_compat_rehearsal"
 REHEARSAL_MAX_MODEL_LEN = 2048  # the battery's prompts reach 1,300 tokens; HF's eager reference is quadratic
 REHEARSAL_BATCH_TOKENS = 512  # below the long prompts: every long one is prefilled in chunks
 
@@ -91,7 +92,7 @@ def build_checkpoint(shrunk: shrink_mod.Shrunk, folder: Path | None, out: Path, 
         return notes
     _build_hf(cfg, out, family)
     files = [f for f in _TOKENIZER_FILES if folder and (folder / f).is_file()]
-    if files and not any(c.startswith("vocab_size") for c in shrunk.changes):
+    if files and not any("vocab_size:" in c for c in shrunk.changes):
         for f in files:
             shutil.copy2(folder / f, out / f)
     else:
@@ -197,12 +198,37 @@ def plan(model: str | Path, layer_ids: list[int] | None, tensor_parallel_size: i
             "notes": notes + [f"not covered: {d}" for d in s.dropped]}
 
 
+def _engine_refuses(family: str, dtype: str) -> bool:
+    """Whether the installed CPU vLLM is known not to run ``family`` in ``dtype`` (the test bed's
+    measured table), so the rehearsal keeps speculators' own dtype there."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import tiny_models as tm
+
+    if family not in tm.ARCHITECTURES:
+        return False
+    try:
+        v = version("vllm")
+    except PackageNotFoundError:
+        return False
+    return tm.vllm_unsupported_reason(family, v.split("+")[0], "cpu", dtype) is not None
+
+
 def _transformers_knows(model_type: str) -> bool:
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     except ImportError:
         return False
     return model_type in CONFIG_MAPPING_NAMES
+
+
+def _kill_group(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _dense_routing(tc: dict) -> None:
@@ -229,25 +255,34 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
     p = plan(model, layer_ids, tensor_parallel_size, max_model_len)
     gpus = _gpus()
     tp = tensor_parallel_size
-    if tp > 1 and tp > max(gpus, 1):
-        tp_run = max(1, gpus) if gpus else 1
-        p["notes"].append(f"tensor-parallel-size {tp} rehearsed at {tp_run} ({gpus} GPUs here): sharding at TP {tp} is not covered")
+    if tp < 1:
+        raise CannotRehearse(f"--tensor-parallel-size: expected a positive integer; found {tp}")
+    tp_run = max(d for d in (1, 2) if d <= max(1, min(tp, gpus)))  # the shrunk model has 4 heads, 2 GDN key heads
+    if tp_run != tp:
+        p["notes"].append(f"tensor-parallel-size {tp} rehearsed at {tp_run} ({gpus} GPUs here; the shrunk model has "
+                          f"{shrink_mod.HEADS} heads): sharding at TP {tp} is not covered")
         tp = tp_run
     s = p["shrunk"]
     moe = any(s.text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
     run_dtype = dtype
-    if dtype == "auto" and not gpus and moe and p["family"] not in ("qwen3_5", "qwen3_next"):
+    if dtype == "auto" and not gpus and moe and not _engine_refuses(p["family"], "float32"):
         run_dtype = "float32"  # near-tied routers flip experts in bf16 between two correct implementations
         p["notes"].append("MoE on CPU compared in float32 (bf16 near-ties pick other experts in a correct engine)")
     if moe and run_dtype != "float32":
+        top_k = s.text.get("num_experts_per_tok")
         _dense_routing(s.text)
+        s.changes.append(f"num_experts_per_tok: {top_k!r} -> {s.text['num_experts_per_tok']!r} (every expert: bf16)")
         p["notes"].append("not covered: expert selection (in bf16 two correct engines pick different experts at "
                           "near-tied router scores; the rehearsal routes every token to every expert)")
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="spec-compat-rehearsal-"))
     model_dir = root / "model"
     if model_dir.exists():
+        if not (root / _KEEP_MARKER).is_file():
+            raise CannotRehearse(f"--keep {workdir}: {model_dir} exists and was not written by a rehearsal; "
+                                 "give an empty or new folder")
         shutil.rmtree(model_dir)
     model_dir.mkdir(parents=True)
+    (root / _KEEP_MARKER).write_text("speculators-compat check --model writes here\n")
     result: dict = {
         "model": str(model), "model_type": p["config"]["model_type"],
         "architectures": p["config"].get("architectures"), "published_layers": s.layers,
@@ -267,10 +302,21 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         if gpus:
             cmd += ["--gpu-memory-utilization", os.environ.get("SPECULATORS_COMPAT_REHEARSAL_GPU_MEM", "0.3")]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            stdout, stderr = proc.communicate()
+            result.update(verdict="fail", failure={"where": "the rehearsal's engine process",
+                                                   "message": f"timed out after {timeout} s (its processes killed)"})
+        finally:
+            _kill_group(proc)  # engine workers left behind by a runner that exited early
         result["run_s"] = time.perf_counter() - t
-        if not out_json.exists():
-            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
+        if result.get("verdict"):
+            pass
+        elif not out_json.exists():
+            tail = (stderr or stdout or "").strip().splitlines()[-15:]
             result.update(verdict="fail", failure={"where": "the rehearsal's engine process",
                                                    "message": f"exited {proc.returncode} without a result",
                                                    "tail": tail})
@@ -302,7 +348,8 @@ def _judge(cell: dict) -> dict:
     worker = (cell.get("worker") or {}).get("patches") or []
     applied = {p["id"] for p in (cell.get("patches") or []) + worker if isinstance(p, dict) and p.get("status") == "applied"}
     out: dict = {"patches": sorted(applied),
-                 "versions": cell.get("versions"), "engine_init_s": cell.get("init_s")}
+                 "versions": cell.get("versions"), "engine_init_s": cell.get("init_s"),
+                 "captured_dtype": cell.get("dtype")}
     if cell.get("error"):
         e = cell["error"]
         out["verdict"] = "fail"
@@ -329,7 +376,8 @@ def render(r: dict) -> str:
     lines = [f"rehearsal of {r.get('model_type')} {r.get('architectures')}: {r['verdict'].upper()}"
              f"  ({r.get('wall_s', 0):.0f} s; engine start {r.get('engine_init_s') or 0:.0f} s)",
              f"  shrunk {r['published_layers']} -> {r['shrunk_layers']} layers; layer ids {r['layer_ids']} -> "
-             f"{r['shrunk_layer_ids']}; TP {r['tensor_parallel_size']}, dtype {r['dtype']}, max-model-len {r['max_model_len']}"]
+             f"{r['shrunk_layer_ids']}; TP {r['tensor_parallel_size']}, dtype {r.get('captured_dtype') or r['dtype']}, "
+             f"max-model-len {r['max_model_len']}"]
     if r.get("versions"):
         lines.append("  versions  " + ", ".join(f"{k} {v}" for k, v in sorted(r["versions"].items()) if v))
     lines.append("  patches   " + (", ".join(r.get("patches") or []) or "-"))
