@@ -20,22 +20,26 @@ SWEEP_JOBS ?= 1
 SWEEP_ARCHS ?= llama,qwen3
 SWEEP_PAIRS ?=
 
-.PHONY: demo test unit bed-tools dev bench sweep train-check dist-check
+.PHONY: demo test unit lint bed-tools dev bench sweep train-check dist-check
 
 bed-tools:
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
 
 dev: bed-tools
 	@test -x .venv/bin/python || uv venv -q --python "$$(command -v $(PY))" .venv
-	@uv pip install -q --python .venv/bin/python -e . pytest twine
+	@uv pip install -q --python .venv/bin/python -e . pytest twine ruff==0.17.6
 
 demo: bed-tools
 	@PYBIN=$$($(PY) scripts/bed.py python $(DEMO_PAIR)) && \
 	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $$PYBIN -m speculators_compat demo
 
+# ruff (rules in pyproject.toml) over the code, the tests, the scripts and the benchmarks
+lint: dev
+	.venv/bin/ruff check src tests scripts benchmarks testbed noxfile.py
+
 # every test under tests/unit (by directory: a test without the marker runs too), then the tested
 # table must agree with the committed results
-unit: dev
+unit: lint
 	.venv/bin/python -m pytest tests/unit -q
 	.venv/bin/python scripts/update_tested.py --check
 	.venv/bin/python scripts/check_dist.py

@@ -455,7 +455,7 @@ class Runner:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                env={**os.environ, **UV_ENV, **(env or {})})
         except subprocess.TimeoutExpired:
-            raise BedError(f"step '{step}' timed out after {timeout}s: {' '.join(cmd[:6])} ...")
+            raise BedError(f"step '{step}' timed out after {timeout}s: {' '.join(cmd[:6])} ...") from None
         self.times[step] = self.times.get(step, 0.0) + time.time() - t0
         with open(self.logfile, "a") as lf:
             lf.write(r.stdout + r.stderr + f"\n### exit {r.returncode}\n")
@@ -545,7 +545,7 @@ def du_bytes(path: Path) -> tuple[int, int]:
     except Exception:  # noqa: BLE001
         pass
     own = 0
-    for dp, dn, fn in os.walk(path):
+    for dp, _dn, fn in os.walk(path):
         for n in fn:
             try:
                 st = os.lstat(os.path.join(dp, n))

@@ -48,7 +48,7 @@ def main() -> int:
         wall = time.perf_counter() - started
         cell = json.loads(result.read_text()) if result.is_file() else None
     labels = args.pythonpath_label + [f"x{i}" for i in range(len(args.pythonpath_extra) - len(args.pythonpath_label))]
-    pypath = ":".join([f"<{l}>" for l in labels] + [args.src_label])
+    pypath = ":".join([f"<{lab}>" for lab in labels] + [args.src_label])
     envs = " ".join(f"{k}={v}" for k, v in extra_env.items())
     command = (f"cd $(mktemp -d) && PYTHONPATH={pypath} {envs} <{args.env_label}>/bin/python -m "
                f"speculators_compat.testing.e2e_runner {' '.join(runner)} --out result.json")

@@ -1,7 +1,8 @@
 """Run by ``speculators_compat_auto.pth`` at every interpreter start of the environment.
 
 Off by default and cheap: the .pth line imports this module only when ``SPECULATORS_COMPAT_AUTO``
-is in the environment (otherwise it costs one dictionary lookup). When it is set, speculators-compat's settings parser decides (1/true/yes/on: activate;
+is in the environment (otherwise it costs one dictionary lookup). When it is set,
+speculators-compat's settings parser decides (1/true/yes/on: activate;
 0/false/no/off: nothing; anything else: one line on stderr, nothing activated) — the package is
 imported only to activate, since importing it is what activates the shim. Nothing here may stop
 the interpreter from starting.

@@ -131,7 +131,9 @@ NAME_SITES: list[tuple[str, Callable[[], str | None]]] = [
      _params("vllm.config", "VllmConfig", ("model_config", "cache_config", "parallel_config", "scheduler_config", "device_config", "load_config"))),
     ("G: vllm.config.DeviceConfig", _attr("vllm.config", "DeviceConfig")),
     ("G: vllm.config.LoadConfig", _attr("vllm.config", "LoadConfig")),
-    ("G: RequestStatus.FINISHED_ABORTED", lambda: None if hasattr(import_attr("vllm.v1.request", "RequestStatus"), "FINISHED_ABORTED") else "expected RequestStatus.FINISHED_ABORTED; not found"),
+    ("G: RequestStatus.FINISHED_ABORTED",
+     lambda: None if hasattr(import_attr("vllm.v1.request", "RequestStatus"), "FINISHED_ABORTED")
+     else "expected RequestStatus.FINISHED_ABORTED; not found"),
     ("W: vllm.sequence.IntermediateTensors", _attr("vllm.sequence", "IntermediateTensors")),
     ("W: plugins load before worker_extension_cls is resolved (vllm.general_plugins reaches workers)",
      _any_of(

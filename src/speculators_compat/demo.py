@@ -57,7 +57,8 @@ def run_demo(args) -> int:
     print(f"{'batch':<10} {'seqs':>4} {'tokens':>7} {'tok/s':>8} {'max rel err':>12} {'tolerance':>10}  result")
     for name in ("mixed", "chunked", "truncated"):
         c = r["cases"][name]
-        print(f"{name:<10} {len(c['lengths_in']):>4} {c['tokens']:>7} {c['tokens_per_s']:>8.0f} {c['max_error']:>12.3e} {c['tolerance']:>10.1e}  {'ok' if c['passed'] else 'FAIL'}")
+        print(f"{name:<10} {len(c['lengths_in']):>4} {c['tokens']:>7} {c['tokens_per_s']:>8.0f} "
+              f"{c['max_error']:>12.3e} {c['tolerance']:>10.1e}  {'ok' if c['passed'] else 'FAIL'}")
     print(f"repeat     identical to the first call: {r['cases']['repeat']['identical']}")
     first = r["cases"]["mixed"]
     print(f"shapes: sequence i -> {len(r['layer_ids'])} tensors of [len_i, hidden]; lengths {first['lengths_out']}")

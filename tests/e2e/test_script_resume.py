@@ -63,8 +63,8 @@ def command(setup, out: Path, layer_ids=sp.LAYER_IDS, work: Path | None = None) 
     return [sys.executable, "-m", "speculators_compat", "run", sys.executable, str(setup["script"]), *args]
 
 
-def env() -> dict:
-    e = dict(os.environ)
+def env(extra: dict | None = None) -> dict:
+    e = dict(os.environ, **(extra or {}))
     e.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     e["HF_HUB_OFFLINE"] = e["HF_DATASETS_OFFLINE"] = "1"
     e["SPECULATORS_COMPAT_SELF_CHECK_EVERY"] = str(CANARY_EVERY)
@@ -74,7 +74,8 @@ def env() -> dict:
 def run(setup, out: Path, kill_when=None, timeout: float = 900, **kw) -> dict:
     """Run the script; with ``kill_when(out)`` polled every 10 ms, SIGKILL its process group once true."""
     start = time.monotonic()
-    proc = subprocess.Popen(command(setup, out, **kw), cwd=kw.get("work") or setup["work"], env=env(), start_new_session=True,
+    extra_env = kw.pop("extra_env", None)
+    proc = subprocess.Popen(command(setup, out, **kw), cwd=kw.get("work") or setup["work"], env=env(extra_env), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = False
     if kill_when is not None:
@@ -234,3 +235,46 @@ def test_verify_names_each_planted_defect(setup, reference):
     assert quick.returncode == 1 and ("checksum", "data_3.pt") not in kinds and ("truncated", "data_1.pt") in kinds
     none = verify_cli(setup["work"])
     assert none.returncode == 2 and "no readable speculators_compat_manifest.jsonl" in none.stderr
+
+
+# planted in every process of the run (sitecustomize): a worker's step places its last request's
+# rows one row early (an off-by-one in the batch layout: counts stay right, rows are wrong)
+PLANT = """
+import speculators_compat.extraction.capture as _capture
+
+_compute_spans = _capture.CaptureState.compute_spans
+
+
+def compute_spans(self):
+    spans = _compute_spans(self)
+    if len(spans) > 1:
+        src, rid, dst, n = spans[-1]
+        spans[-1] = (src - 1, rid, dst, n)
+    return spans
+
+
+_capture.CaptureState.compute_spans = compute_spans
+"""
+
+
+def test_the_self_check_stops_a_run_whose_rows_are_misplaced(setup, reference, tmp_path):
+    """Sample 0 is first in batch 0 (rows right) and last when it joins batch 2 again (rows one
+    early): the run must stop there in one line, the manifest saying so and ``verify`` refusing it."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANT)
+    out = setup["work"] / "planted"
+    path = os.pathsep.join(p for p in (str(plant), os.environ.get("PYTHONPATH", "")) if p)
+    r = run(setup, out, extra_env={"PYTHONPATH": path})
+    assert r["rc"] != 0, r["log"][-3000:]
+    lines = [ln for ln in r["log"].splitlines() if "speculators-compat self-check failed" in ln]
+    assert lines and "sample 0, captured again in batch 2" in lines[0], r["log"][-3000:]
+    checks = output.Manifest.read(out).self_checks
+    assert [c["verdict"] for c in checks] == ["fail"] and checks[0]["batch"] == 2, checks
+    assert checks[0]["max_rel_error"] > output.CANARY_TOLERANCE
+    summary, defects = output.verify(out)
+    assert any(d.kind == "self-check" for d in defects), [str(d) for d in defects]
+    # the planted layout wrote wrong rows that the uninterrupted run did not: the check is not vacuous
+    assert contents(out)["data_1.pt"] != contents(reference)["data_1.pt"]
+    assert contents(out)["data_0.pt"] == contents(reference)["data_0.pt"]  # first in its step: untouched
+    print(f"\nplanted misplacement: {lines[0][:300]}")

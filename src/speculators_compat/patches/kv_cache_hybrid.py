@@ -16,10 +16,13 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
   the specs mix ``MambaSpec`` layers with other layers it leaves them as they are (as vLLM's
   engine does), elsewhere it calls the original (unchanged path: sliding + full attention models
   such as gpt-oss are still unified to full attention, as speculators intends).
-- ``kv-cache-hybrid-groups`` wraps ``_get_kv_cache_groups_uniform_spec`` there: for those mixed
-  specs it returns ``get_kv_cache_groups(vllm_config, kv_cache_spec)`` with the generator's own
-  ``VllmConfig`` (read off the generator whose ``__init__`` is calling: the wrapped function
-  receives only the specs); every other model takes the original call.
+- ``kv-cache-hybrid-groups`` wraps ``_get_kv_cache_groups_uniform_spec`` there: for specs that
+  are not one spec (``is_kv_cache_spec_uniform`` false: those mixed specs, and attention layers
+  that still differ after unification, e.g. Gemma 3 on CUDA vLLM 0.24 where sliding-window layers
+  index the cache by another block stride and the original asserts) it returns
+  ``get_kv_cache_groups(vllm_config, kv_cache_spec)`` with the generator's own ``VllmConfig``
+  (read off the generator whose ``__init__`` is calling: the wrapped function receives only the
+  specs); a uniform model takes the original call.
   The rest follows as in vLLM's engine: ``get_kv_cache_config_from_groups`` lays the groups out
   (kv-cache-config-args), the scheduler takes its block sizes from the groups (scheduler-args:
   ``resolve_kv_cache_block_sizes``), and the model runner keeps each request's recurrent state
@@ -99,8 +102,11 @@ def calling_generator_config():
 
 def _groups_for_mixed(wrapped, instance, args, kwargs):
     specs = kwargs.get("kv_cache_spec", args[0] if args else None)
-    if specs is None or _first(UNIFORM_FORMS)(specs) or not is_mixed_state_model(specs):
+    if specs is None or _first(UNIFORM_FORMS)(specs):
         return wrapped(*args, **kwargs)
+    # not one spec: state + attention layers, or attention layers that still differ after
+    # speculators' unification (Gemma 3 on CUDA: sliding-window layers pick another backend
+    # layout); the original can only fail there, vLLM's engine groups them
     return _first(GROUPS_FORMS)(calling_generator_config(), specs)
 
 

@@ -270,7 +270,7 @@ def decoder_layers(model) -> Sequence:
     if hasattr(model, "get_decoder"):
         try:
             candidates.append(model.get_decoder())
-        except Exception:
+        except Exception:  # noqa: BLE001 - a model whose get_decoder fails: its other candidates remain
             pass
     for c in candidates:
         layers = getattr(c, "layers", None) if c is not None else None

