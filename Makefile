@@ -27,15 +27,20 @@ bed-tools:
 
 dev: bed-tools
 	@test -x .venv/bin/python || uv venv -q --python "$$(command -v $(PY))" .venv
-	@uv pip install -q --python .venv/bin/python -e . pytest twine ruff==0.17.6
+	@uv pip install -q --python .venv/bin/python -e . pytest twine ruff==0.17.6 mypy==2.4.1
 
 demo: bed-tools
 	@PYBIN=$$($(PY) scripts/bed.py python $(DEMO_PAIR)) && \
 	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $$PYBIN -m speculators_compat demo
 
-# ruff (rules in pyproject.toml) over the code, the tests, the scripts and the benchmarks
+# ruff (rules in pyproject.toml) over the code, the tests, the scripts and the benchmarks; mypy over
+# the runtime package, --strict over its core
+STRICT_CORE = src/speculators_compat/registry.py src/speculators_compat/matrix.py \
+	src/speculators_compat/settings.py src/speculators_compat/versions.py
 lint: dev
 	.venv/bin/ruff check src tests scripts benchmarks testbed noxfile.py
+	.venv/bin/mypy
+	.venv/bin/mypy --strict $(STRICT_CORE)
 
 # every test under tests/unit (by directory: a test without the marker runs too), then the tested
 # table must agree with the committed results

@@ -86,7 +86,7 @@ class ImportHooks:
     def notify(self, module) -> None:
         """Run the subscribers of ``module`` (a snapshot: a hook may subscribe others)."""
         with self._lock:
-            hooks = list(self._hooks.get(getattr(module, "__name__", None), ()))
+            hooks = list(self._hooks.get(getattr(module, "__name__", ""), ()))
         for hook in hooks:
             hook(module)
 

@@ -207,7 +207,7 @@ def call_findings(origin: str, spec, speculators_version: str | None) -> Finding
 
 def declared_calls(reg, statuses: list[dict]) -> list[tuple[str, object]]:
     """(origin, Call | forms) of speculators' own calls and of every applied patch's ``calls``."""
-    out = [(origin, spec) for origin, spec in SPECULATORS_CALLS]
+    out: list[tuple[str, object]] = [(origin, spec) for origin, spec in SPECULATORS_CALLS]
     applied = {r["id"] for r in statuses if r["status"] == "applied"}
     chosen = {r["id"] for r in statuses if not r["reason"].startswith(_RANGED_OUT[:2])}
     versions = reg.version_strings()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def _versions_dict(reg) -> dict:
@@ -56,7 +57,7 @@ def cmd_report(args) -> int:
         vs = reg.version_strings()
         for pid, rng in matrix.patches.items():
             gates[pid] = rng.gate(vs) or "in range"
-    out = {
+    out: dict[str, Any] = {
         "speculators_compat": speculators_compat.__version__,
         "versions": _versions_dict(reg),
         "matrix": matrix.path if matrix else None,
@@ -121,7 +122,7 @@ def patch_facts(reg, pid: str) -> dict:
         raise ValueError(f"no patch {pid!r}; expected one of {', '.join(sorted(reg.patches))}")
     matrix = reg.matrix
     rng = matrix.patches.get(pid)
-    status = next((r for r in __import__("speculators_compat").report() if r["id"] == pid), {})
+    status: dict[str, Any] = next((r for r in __import__("speculators_compat").report() if r["id"] == pid), {})
     probe_module = inspect.getmodule(patch.probe)
     source = inspect.getsource(probe_module) if probe_module else ""
     doc = (getattr(probe_module, "__doc__", "") or "").strip()

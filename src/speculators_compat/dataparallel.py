@@ -47,6 +47,7 @@ The next ``extract`` redoes only the shards without a marker.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -131,7 +132,11 @@ def pending(specs: list[ShardSpec], out_dir) -> list[ShardSpec]:
     return todo
 
 
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def _save_as(save: Callable[[dict, str], object], data: dict, path: str) -> None:
+    save(data, path)
+
+
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(str(tmp))
@@ -147,7 +152,8 @@ def _torch_save(data, path) -> None:
     torch.save(data, path)
 
 
-def run_shard(generator, spec: ShardSpec, samples: list, out_dir, batch_size: int = 8, save=None) -> dict:
+def run_shard(generator, spec: ShardSpec, samples: list, out_dir, batch_size: int = 8,
+              save: Callable[[dict, str], object] | None = None) -> dict:
     """Generate one shard with ``generator`` (``generate(token_ids)``, speculators' contract),
     write its files (``save(data, path)``, default ``torch.save``), then its marker; returns the
     shard's statistics."""
@@ -171,7 +177,7 @@ def run_shard(generator, spec: ShardSpec, samples: list, out_dir, batch_size: in
                 "hidden_states": [h.contiguous() if hasattr(h, "contiguous") else h for h in result["hidden_states"]],
                 "loss_mask": mask,
             }
-            _atomic_write(out / FILE_PATTERN.format(idx=idx), lambda p, d=data: save(d, p))
+            _atomic_write(out / FILE_PATTERN.format(idx=idx), functools.partial(_save_as, save, data))
             tokens += n
             idx += 1
     seconds = time.perf_counter() - t0

@@ -100,7 +100,7 @@ class Chunk:
         except BaseException:
             os.close(fd)
             raise
-        self.fd = fd
+        self.fd: int | None = fd
         self.dev, self.ino = st.st_dev, st.st_ino
         self.view = memoryview(self.map)
         self.free = [(0, size)]  # sorted, coalesced (offset, length)
@@ -231,7 +231,10 @@ class ExchangePool:
             new.append(chunk)
             used.add(chunk.id)
             for key in missing:
-                placements[key] = (chunk.id, chunk.take(need[key]), need[key])
+                off = chunk.take(need[key])
+                if off is None:  # the chunk was sized for these keys
+                    raise ExchangeError(f"a new {chunk.size}-byte chunk could not hold {need[key]} bytes")
+                placements[key] = (chunk.id, off, need[key])
         dropped = []
         keep = 2 * self.peak_call_bytes
         capacity = self.capacity

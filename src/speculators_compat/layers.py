@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ ADAPTERS: dict[str, LayerAdapter] = {
 }
 
 
-def _signature(layer_cls: type) -> inspect.Signature | None:
+def _signature(layer_cls: Any) -> inspect.Signature | None:
     try:
         return inspect.signature(layer_cls.forward)
     except (TypeError, ValueError, AttributeError):

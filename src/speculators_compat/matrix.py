@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import reprlib
 
@@ -68,7 +69,7 @@ _repr.maxlist = _repr.maxdict = _repr.maxtuple = _repr.maxset = 4
 _repr.maxlevel = 2
 
 
-def _q(value) -> str:
+def _q(value: object) -> str:
     """A bounded repr for error messages (never the repr of a whole large structure)."""
     return _repr.repr(value)
 
@@ -76,15 +77,15 @@ def _q(value) -> str:
 MAX_FLOW_DEPTH = 32  # [ { nesting: PyYAML's scanner slows quadratically with it
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types
     """SafeLoader that refuses duplicate mapping keys, anchors, aliases and deep [ { nesting."""
 
-    def fetch_flow_collection_start(self, TokenClass):
+    def fetch_flow_collection_start(self, TokenClass: type) -> None:
         super().fetch_flow_collection_start(TokenClass)
         if self.flow_level > MAX_FLOW_DEPTH:
             raise MatrixError(f"line {self.line + 1}: nested deeper than {MAX_FLOW_DEPTH} levels")
 
-    def compose_node(self, parent, index):
+    def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             kind = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
@@ -95,8 +96,8 @@ class _StrictLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: dict = {}
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
     for key_node, _value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
@@ -189,19 +190,19 @@ def matrix_path() -> Path:
     return Path(__file__).resolve().parents[2] / "compat_matrix.yaml"
 
 
-def _require_mapping(value, where: str) -> dict:
+def _require_mapping(value: object, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise MatrixError(f"{where}: expected a mapping, found {type(value).__name__}")
     return value
 
 
-def _require_str(value, where: str) -> str:
+def _require_str(value: object, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise MatrixError(f"{where}: expected a non-empty string, found {_q(value)}")
     return value
 
 
-def _optional_text(row: dict, key: str, default: str, where: str) -> str:
+def _optional_text(row: dict[str, Any], key: str, default: str, where: str) -> str:
     """A free-text field of a tested row: a scalar (a YAML date is read as a date), never a container."""
     value = row.get(key, default)
     if isinstance(value, (dict, list)):
@@ -209,7 +210,7 @@ def _optional_text(row: dict, key: str, default: str, where: str) -> str:
     return str(value)
 
 
-def _check_keys(mapping: dict, allowed: set[str], where: str, hint: dict[str, str] | None = None) -> None:
+def _check_keys(mapping: dict[str, Any], allowed: set[str], where: str, hint: dict[str, str] | None = None) -> None:
     unknown = sorted(set(map(str, mapping)) - allowed)
     if unknown:
         extra = f"; {hint[unknown[0]]}" if hint and unknown[0] in hint else ""
@@ -222,7 +223,7 @@ _PATCH_KEY_HINTS = {
 }
 
 
-def _version_string(value, where: str) -> str:
+def _version_string(value: object, where: str) -> str:
     # Only strings: YAML reads an unquoted 0.10 as the number 0.1, which would silently name
     # another release.
     if not isinstance(value, str):
@@ -279,7 +280,7 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
             raise MatrixError(f"{path}: patches: no entry for patch id {_q(missing[0])}")
 
     tested: list[TestedPair] = []
-    seen_pairs: set[tuple] = set()
+    seen_pairs: set[tuple[str, str, str]] = set()
     for i, row in enumerate(top.get("tested") or []):
         where = f"{path}: tested[{i}]"
         row = _require_mapping(row, where)
@@ -317,7 +318,7 @@ def parse_matrix(text: str, path: str = "<string>", known_ids: set[str] | None =
     return Matrix(path=path, patches=patches, tested=tuple(tested), not_applicable=tuple(na))
 
 
-def _spec(value, where: str) -> SpecifierSet:
+def _spec(value: object, where: str) -> SpecifierSet:
     if not isinstance(value, str):
         raise MatrixError(f"{where}: expected a specifier string such as '>=0.12', found {_q(value)}")
     try:

@@ -122,7 +122,7 @@ class Patch:
     owner_module: str | None = None
     doc: str = ""
     module_alias: str | None = None  # a module the patch registers in sys.modules (stand-ins)
-    calls: tuple = ()  # Call | tuple[Call, ...] (alternative forms): the vLLM calls made; bound by check
+    calls: tuple[Any, ...] = ()  # Call | tuple[Call, ...] (alternative forms): the vLLM calls made; bound by check
     requires: tuple[str, ...] = ()  # patch ids this one needs applied where they are in range
     script_target: bool = False  # the target exists only while a script runs: check binds its calls anyway
 
@@ -146,16 +146,16 @@ def wrapper_patch(
     family: str,
     module: str,
     attribute: str,
-    wrapper: Callable,
+    wrapper: Callable[..., Any],
     probe: ProbeFn,
     doc: str = "",
-    calls: tuple = (),
+    calls: tuple[Any, ...] = (),
     requires: tuple[str, ...] = (),
 ) -> Patch:
     """A patch that wraps ``module:attribute`` with a wrapt wrapper(wrapped, instance, args, kwargs)."""
     import wrapt
 
-    def build(original):
+    def build(original: Any) -> Any:
         if original is MISSING:
             raise AttributeError(f"{module}:{attribute} does not exist")
         return wrapt.FunctionWrapper(original, wrapper)
@@ -173,7 +173,7 @@ class PatchStatus:
     reason: str = ""
     versions: dict[str, str | None] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "family": self.family,
@@ -211,7 +211,7 @@ def _resolve_parent(module_name: str, dotted: str) -> tuple[Any, str]:
 class Registry:
     """Holds the patches, the configuration of one activation, and their statuses."""
 
-    def __init__(self, matrix_loader: Callable[[set[str]], Any], versions_reader: Callable[[], dict], hooks=None):
+    def __init__(self, matrix_loader: Callable[[set[str]], Any], versions_reader: Callable[[], dict[str, Any]], hooks: Any = None):
         if hooks is None:
             from ._import_hooks import HOOKS as hooks
         self._hooks = hooks
@@ -228,8 +228,8 @@ class Registry:
         self.strict = False
         self.selected: set[str] | None = None  # ids the user asked for by name
         self.excluded: set[str] = set()
-        self._matrix = None
-        self._versions: dict | None = None
+        self._matrix: Any = None
+        self._versions: dict[str, Any] | None = None
         self._combination_checked = False
         self._combination_problem: str | None = None
 
@@ -255,13 +255,13 @@ class Registry:
 
     # -- configuration ------------------------------------------------------------------
     @property
-    def matrix(self):
+    def matrix(self) -> Any:
         if self._matrix is None:
             self._matrix = self._matrix_loader(set(self._patches))
         return self._matrix
 
     @property
-    def versions(self) -> dict:
+    def versions(self) -> dict[str, Any]:
         if self._versions is None:
             self._versions = self._versions_reader()
         return self._versions
@@ -292,7 +292,7 @@ class Registry:
         self._check_requires(selection, selected, set(negative))
         self.selected, self.excluded = selected, set(negative)
 
-    def _in_range(self, pid: str, matrix, versions: dict) -> bool:
+    def _in_range(self, pid: str, matrix: Any, versions: dict[str, Any]) -> bool:
         if matrix.not_applicable_reason(versions.get("speculators")):
             return False
         return matrix.patches[pid].gate(versions) is None
@@ -362,7 +362,7 @@ class Registry:
             for pid in reversed(list(self._applied)):
                 self._revert(pid)
 
-    def _on_import(self, module) -> None:
+    def _on_import(self, module: Any) -> None:
         """Post-import hook. Must never raise unless strict/explicit (that breaks the import)."""
         with self._lock:
             if not self.active:

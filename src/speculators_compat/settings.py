@@ -125,6 +125,14 @@ def text(name: str) -> str | None:
     return s.default if raw is None else raw  # type: ignore[return-value]
 
 
-def get(name: str):
+def number_set(name: str) -> float:
+    """``number`` of a setting that has a default (never None)."""
+    value = number(name)
+    if value is None:
+        raise SettingError(f"{name}: not set and no default")
+    return value
+
+
+def get(name: str) -> bool | float | str | None:
     kind = _setting(name).kind
     return {"flag": flag, "number": number, "text": text}[kind](name)

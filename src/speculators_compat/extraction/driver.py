@@ -41,7 +41,7 @@ _lock_guard = threading.Lock()
 
 def rpc_timeout() -> float:
     """Seconds a shim RPC may take before generate() fails (SPECULATORS_COMPAT_RPC_TIMEOUT)."""
-    return settings.number("SPECULATORS_COMPAT_RPC_TIMEOUT")
+    return settings.number_set("SPECULATORS_COMPAT_RPC_TIMEOUT")
 
 
 def rpc(executor, op, *args):

@@ -112,7 +112,7 @@ def attention_plan(dtype, head_size: int, requested: int | None, own: int = 16, 
     if problem:
         raise RuntimeError(problem)
     first = PLATFORM_PICK if requested is None else requested
-    tried = []
+    tried: list[tuple[int, str | None, str | None]] = []
     for block in dict.fromkeys((first, own)):
         if block != first and not _accepts(block):
             tried.append((block, None, "not a block size this vLLM's CPU attention accepts"))

@@ -247,7 +247,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     mode = (settings.text("SPECULATORS_COMPAT_OUTPUT_RESUME") or "auto").lower()
     if mode not in ("auto", "restart"):
         raise SystemExit(f"speculators-compat: SPECULATORS_COMPAT_OUTPUT_RESUME={mode!r}: expected auto or restart")
-    limit = int(settings.number("SPECULATORS_COMPAT_SAVE_BUFFER_MB") * 2**20)
+    limit = int(settings.number_set("SPECULATORS_COMPAT_SAVE_BUFFER_MB") * 2**20)
     n, first, bs = len(dataset), int(args.start_idx), int(args.batch_size)
     run = {
         "format": output.FORMAT, "model": str(args.target_model_path),
@@ -297,9 +297,9 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
         log.info("All samples already processed!")
         return 0
     if done:
-        log.subsection(f"Resuming: {len(done)} of {n} files complete ({output.MANIFEST}); "
+        getattr(log, "subsection", log.info)(f"Resuming: {len(done)} of {n} files complete ({output.MANIFEST}); "
                        f"{len(batches)} batch(es) of {bs} to run")
-    log.subsection("Initializing vLLM hidden states generator")
+    getattr(log, "subsection", log.info)("Initializing vLLM hidden states generator")  # a plain logger has no subsection
     generator = script["VllmHiddenStatesGenerator"](
         model_path=args.target_model_path, layer_ids=args.layer_ids, max_model_len=args.seq_length,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
@@ -320,7 +320,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     queue = output.SaveQueue(manifest, int(script.get("MAX_IO_WORKERS", 4)), limit, fsync, saved)
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
-    canary = _Canary(folder, manifest, first, dataset, int(settings.number("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
+    canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
                      first in done)
     try:
         for s in progress:
@@ -361,7 +361,7 @@ class _Canary:
     def __init__(self, folder: Path, manifest, first: int, dataset, every: int, saved: bool):
         self.folder, self.manifest, self.first, self.every = folder, manifest, first, max(0, every)
         self.ids = list(dataset[0]["input_ids"]) if self.every else None
-        self.reference = None
+        self.reference: dict | None = None
         self.saved = saved
         self.checks, self.worst = 0, 0.0
 
@@ -379,6 +379,9 @@ class _Canary:
             import torch
 
             self.reference = torch.load(self.folder / output.data_name(self.first), weights_only=True)
+        if self.reference is None:
+            raise RuntimeError(f"speculators-compat self-check: sample {self.first}'s first capture is neither "
+                               "in this run nor saved")
         err, problem = output.canary_error(self.reference, again)
         self.checks, self.worst = self.checks + 1, max(self.worst, err)
         self.manifest.append({"self_check": {"batch": batch_number, "sample": self.first, "max_rel_error": err,
