@@ -442,6 +442,8 @@ class Registry:
         slot = vars(parent).get(attribute, MISSING) if hasattr(parent, "__dict__") else MISSING
         replacement = patch.build(slot if slot is not MISSING else current)
         setattr(parent, attribute, replacement)
+        if patch.module_alias is not None:  # a stand-in module: importable by its dotted name too
+            sys.modules[patch.module_alias] = replacement
         self._applied[pid] = _Applied(parent, attribute, slot, replacement)
         why = self.matrix.patches[pid].why
         self._set(patch, "applied", why)

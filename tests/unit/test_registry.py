@@ -174,6 +174,32 @@ def test_revert_of_an_added_attribute_removes_it(fake_modules):
     assert not hasattr(mod, "added")
 
 
+def test_a_stand_in_module_is_entered_and_removed_by_the_registry(fake_modules):
+    """module_alias: the registry (not the patch's build) puts the stand-in into sys.modules, and
+    deactivate() takes it out; nothing else is left behind."""
+    import types
+
+    name = fake_modules.write(SOURCE)
+    mod = importlib.import_module(name)
+    alias = f"{name}.stand_in"
+    before = set(sys.modules)
+
+    def build(current):
+        stand_in = types.ModuleType(alias)
+        stand_in.helper = lambda: "stand-in"
+        return stand_in
+
+    p = Patch(id="alias", family="test", hook_module=name, attribute="stand_in", build=build,
+              probe=lambda current: None, module_alias=alias)
+    reg = make_registry([p])
+    reg.activate()
+    assert sys.modules[alias] is mod.stand_in and importlib.import_module(alias).helper() == "stand-in"
+    assert reg.is_applied("alias")
+    reg.deactivate()
+    assert alias not in sys.modules and not hasattr(mod, "stand_in")
+    assert set(sys.modules) == before
+
+
 def test_revert_then_reactivate_reapplies(fake_modules):
     name = fake_modules.write(SOURCE)
     mod = importlib.import_module(name)

@@ -72,8 +72,7 @@ def _build_hashing_module(current):
     utils = sys.modules["vllm.utils"]
     module = types.ModuleType("vllm.utils.hashing", "speculators_compat alias of vllm.utils hashing helpers")
     module.get_hash_fn_by_name = utils.get_hash_fn_by_name
-    sys.modules["vllm.utils.hashing"] = module
-    return module
+    return module  # the registry enters it in sys.modules (module_alias) and removes it on revert
 
 
 def _probe_hashing(current):
@@ -104,8 +103,7 @@ def _build_mask_module(current):
 
     module = types.ModuleType(_MASK_MODULE, "speculators_compat stand-in: the helper raises a clear error when called")
     module._prepare_4d_causal_attention_mask = _removed_mask_helper
-    sys.modules[_MASK_MODULE] = module
-    return module
+    return module  # the registry enters it in sys.modules (module_alias) and removes it on revert
 
 
 def _probe_mask_module(current):
