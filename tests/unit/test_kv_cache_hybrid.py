@@ -14,6 +14,7 @@ import yaml
 from _helpers import SHIPPED_MATRIX
 from speculators_compat.patches import kv_cache_hybrid as kh
 from speculators_compat.patches._signatures import GENERATOR
+from speculators_compat.patches.executor import CONSTRUCTING
 
 pytestmark = pytest.mark.unit
 
@@ -65,9 +66,13 @@ def vllm(monkeypatch):
 
     class VllmHiddenStatesGenerator:
         def __init__(self, specs):
-            self.vllm_config = "the generator's VllmConfig"
-            kh_unify(specs)
-            self.groups = kh_groups(specs)
+            token = CONSTRUCTING.set(self)  # as executor-class does around speculators' __init__
+            try:
+                self.vllm_config = "the generator's VllmConfig"
+                kh_unify(specs)
+                self.groups = kh_groups(specs)
+            finally:
+                CONSTRUCTING.reset(token)
 
     gen.unify_hybrid_kv_cache_specs = unify_hybrid_kv_cache_specs
     gen._get_kv_cache_groups_uniform_spec = _get_kv_cache_groups_uniform_spec
@@ -167,7 +172,7 @@ def test_probe_without_mamba_spec_says_so(vllm):
 
 def test_shipped_matrix_gates_both_and_groups_requires_unify():
     patches = yaml.safe_load(SHIPPED_MATRIX.read_text())["patches"]
-    assert {p.id: p.requires for p in kh.PATCHES}["kv-cache-hybrid-groups"] == ("kv-cache-hybrid-unify",)
+    assert {p.id: p.requires for p in kh.PATCHES}["kv-cache-hybrid-groups"] == ("kv-cache-hybrid-unify", "executor-class")
     for pid in ("kv-cache-hybrid-unify", "kv-cache-hybrid-groups"):
         assert patches[pid]["speculators"] == ">=0.3.0,<0.5"
     ids = {p.id for p in kh.PATCHES}

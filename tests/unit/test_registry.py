@@ -852,7 +852,7 @@ def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
         "worker-start-cause-raise": ("worker-start-cause-record",),
         "worker-capture-hooks": ("worker-v2-batch-order",),
         "worker-capture-rpc": ("worker-capture-hooks",),
-        "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify",),
+        "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify", "executor-class"),
         "script-resumable-output": ("script-main-ready",),
     }
     for pid, needed in declared.items():

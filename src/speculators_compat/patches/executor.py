@@ -47,6 +47,7 @@ Default (nothing set): ``MultiprocExecutor``, exactly as speculators builds it.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import types
 
@@ -56,6 +57,10 @@ from ..extraction.steps import executor_takes_futures
 from ._signatures import GENERATOR, import_attr, parameters, require_params
 
 EXECUTORS = ("mp", "ray")
+
+# the generator whose __init__ is running (set by executor-class for the call): what a patch on a
+# function that __init__ calls reads instead of walking the stack (kv-cache-hybrid-groups)
+CONSTRUCTING: contextvars.ContextVar = contextvars.ContextVar("speculators_compat_generator_init", default=None)
 
 
 class ExecutorChoiceError(ValueError):
@@ -143,20 +148,12 @@ def _import_ray_or_explain() -> None:
         ) from None
 
 
-def _merged_spec_rpc(executor, rpc):
-    """collective_rpc where ``get_kv_cache_spec`` answers, at rank 0, every stage's layers."""
-
-    def collective_rpc(method, *args, **kwargs):
-        result = rpc(method, *args, **kwargs)
-        if method == "get_kv_cache_spec" and isinstance(result, list) and result:
-            executor._speculators_compat_stage_specs = [dict(r) for r in result]
-            merged = {}
-            for spec in result:
-                merged.update(spec)
-            result = [merged, *result[1:]]
-        return result
-
-    return collective_rpc
+def merged_stage_specs(result):
+    """``get_kv_cache_spec``'s replies (one per rank): rank 0's answer holds every stage's layers."""
+    merged = {}
+    for spec in result:
+        merged.update(spec)
+    return [merged, *result[1:]]
 
 
 def _keep_own(items, names_attr: str, mine: set) -> list:
@@ -190,15 +187,29 @@ def per_rank_configs(config, stage_specs: list[dict]):
     return out
 
 
-def _per_rank_initialize(executor, initialize):
-    def initialize_from_config(kv_cache_configs):
-        specs = getattr(executor, "_speculators_compat_stage_specs", None)
-        world = executor.vllm_config.parallel_config.world_size
-        if specs and len(kv_cache_configs) < world:
-            kv_cache_configs = per_rank_configs(kv_cache_configs[0], specs)
-        return initialize(kv_cache_configs)
+def pipeline_stages(cls: type) -> type:
+    """``cls`` for a generator with pipeline stages: ``get_kv_cache_spec`` answers, at rank 0,
+    every stage's layers (speculators plans the KV cache from rank 0's answer), and
+    ``initialize_from_config`` hands each global rank the config of its own layers."""
 
-    return initialize_from_config
+    class PipelineStages(cls):  # type: ignore[misc, valid-type]
+        _speculators_compat_stage_specs = None
+
+        def collective_rpc(self, method, *args, **kwargs):
+            result = super().collective_rpc(method, *args, **kwargs)
+            if method == "get_kv_cache_spec" and isinstance(result, list) and result:
+                self._speculators_compat_stage_specs = [dict(r) for r in result]
+                result = merged_stage_specs(result)
+            return result
+
+        def initialize_from_config(self, kv_cache_configs):
+            specs = self._speculators_compat_stage_specs
+            if specs and len(kv_cache_configs) < self.vllm_config.parallel_config.world_size:
+                kv_cache_configs = per_rank_configs(kv_cache_configs[0], specs)
+            return super().initialize_from_config(kv_cache_configs)
+
+    PipelineStages.__qualname__ = f"PipelineStages[{cls.__qualname__}]"
+    return PipelineStages
 
 
 def ordered_control_plane(executor_cls) -> bool:
@@ -220,16 +231,22 @@ def build_executor(vllm_config):
     if vllm_config.parallel_config.distributed_executor_backend == "ray":
         cls = Executor.get_class(vllm_config)
         settle_async_scheduling(vllm_config, ordered_control_plane(cls) and executor_takes_futures(cls))
-        executor = cls(vllm_config=vllm_config)
     else:
-        executor = module.MultiprocExecutor(vllm_config=vllm_config)
+        cls = module.MultiprocExecutor
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        executor.collective_rpc = _merged_spec_rpc(executor, executor.collective_rpc)
-        executor.initialize_from_config = _per_rank_initialize(executor, executor.initialize_from_config)
-    return executor
+        cls = pipeline_stages(cls)
+    return cls(vllm_config=vllm_config)
 
 
 def _generator_init(wrapped, instance, args, kwargs):
+    token = CONSTRUCTING.set(instance)
+    try:
+        return _init(wrapped, instance, args, kwargs)
+    finally:
+        CONSTRUCTING.reset(token)
+
+
+def _init(wrapped, instance, args, kwargs):
     if not custom_engine():
         return wrapped(*args, **kwargs)
     if choice() == "ray":

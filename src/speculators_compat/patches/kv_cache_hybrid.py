@@ -36,8 +36,6 @@ benchmarks/results/arch/); not yet on another release - there the probes decide.
 
 from __future__ import annotations
 
-import sys
-
 from ..registry import Call, wrapper_patch
 from ._signatures import GENERATOR, first_binding, import_attr, parameters
 
@@ -54,10 +52,6 @@ UNIFORM_FORMS = (
     Call(KV_UTILS, "is_kv_cache_spec_uniform", args=("kv_cache_spec",)),
     Call(KV_PLANNING, "is_kv_cache_spec_uniform", args=("kv_cache_spec",)),
 )
-
-# how many frames above the wrapper the generator's __init__ may be (wrapt's C wrapper adds none)
-_MAX_FRAMES = 6
-
 
 def _first(forms):
     form, problem = first_binding(forms)
@@ -83,21 +77,17 @@ def _unify_unless_mixed(wrapped, instance, args, kwargs):
 
 
 def calling_generator_config():
-    """The ``VllmConfig`` of the generator whose ``__init__`` called the wrapped planning function."""
-    cls = import_attr(GENERATOR, "VllmHiddenStatesGenerator")
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, cls) and getattr(owner, "vllm_config", None) is not None:
-            return owner.vllm_config
-        frame = frame.f_back
-    raise RuntimeError(
-        "speculators_compat: planning a hybrid model's KV-cache groups needs the generator's VllmConfig; "
-        "expected _get_kv_cache_groups_uniform_spec to be called from VllmHiddenStatesGenerator.__init__ "
-        "(after self.vllm_config is set); found no such caller"
-    )
+    """The ``VllmConfig`` of the generator whose ``__init__`` is running (executor-class marks it)."""
+    from .executor import CONSTRUCTING
+
+    owner = CONSTRUCTING.get()
+    if owner is None or getattr(owner, "vllm_config", None) is None:
+        raise RuntimeError(
+            "speculators_compat: planning a hybrid model's KV-cache groups needs the generator's VllmConfig; "
+            "expected _get_kv_cache_groups_uniform_spec to be called from VllmHiddenStatesGenerator.__init__ "
+            "(after self.vllm_config is set); found no such caller"
+        )
+    return owner.vllm_config
 
 
 def _groups_for_mixed(wrapped, instance, args, kwargs):
@@ -159,6 +149,7 @@ PATCHES = [
         _groups_for_mixed,
         _probe_groups,
         calls=(GROUPS_FORMS, UNIFORM_FORMS),
-        requires=("kv-cache-hybrid-unify",),  # mixed specs reach it only when left un-unified
+        # mixed specs reach it only when left un-unified; executor-class marks the generator being built
+        requires=("kv-cache-hybrid-unify", "executor-class"),
     ),
 ]
