@@ -28,6 +28,7 @@ import uuid
 import weakref
 
 ALIGN = 4096  # segment alignment (bytes): page-aligned rows for the copies
+GRAIN = 64  # keys inside a run (allocate_runs): back to back where their sizes are multiples of it
 MIN_CHUNK = 64 << 20  # smallest new chunk (bytes)
 
 
@@ -205,36 +206,53 @@ class ExchangePool:
 
         New chunks must be mapped by the workers (``Chunk.ref``); dropped ones unmapped.
         """
+        return self.allocate_runs([[(key, n)] for key, n in sizes.items()])
+
+    def allocate_runs(self, runs: list) -> tuple[dict, list[Chunk], list[int]]:
+        """``allocate`` for runs of (key, nbytes): a run's segments lie back to back in one chunk,
+        in the order given (each rounded up to GRAIN bytes, the run to ALIGN; the last key holds
+        the run's padding), so rows of consecutive keys form one range (one copy, not one per key)."""
         self._drain()
         self.stats["calls"] += 1
-        need = {key: _round_up(n) for key, n in sizes.items()}
-        total = sum(need.values())
-        self.peak_call_bytes = max(self.peak_call_bytes, total)
-        placements, missing, used = {}, [], set()
+        layout = []
+        for run in runs:
+            parts = [[key, _round_up(n, GRAIN)] for key, n in run]
+            size = sum(r for _, r in parts)
+            padded = _round_up(size)
+            parts[-1][1] += padded - size
+            layout.append((parts, padded))
+        self.peak_call_bytes = max(self.peak_call_bytes, sum(padded for _, padded in layout))
+        placements: dict = {}
+        missing, used = [], set()
+
+        def place(parts, chunk, off):
+            for key, reserved in parts:
+                placements[key] = (chunk.id, off, reserved)
+                off += reserved
+            used.add(chunk.id)
+
         # largest first: fewer holes
-        for key in sorted(need, key=need.__getitem__, reverse=True):
+        for parts, padded in sorted(layout, key=lambda run: run[1], reverse=True):
             for chunk in self.chunks.values():
-                off = chunk.take(need[key])
+                off = chunk.take(padded)
                 if off is not None:
-                    placements[key] = (chunk.id, off, need[key])
-                    used.add(chunk.id)
+                    place(parts, chunk, off)
                     break
             else:
-                missing.append(key)
+                missing.append((parts, padded))
         new = []
         if missing:
             try:
-                chunk = self._new_chunk(max(MIN_CHUNK, sum(need[k] for k in missing)))
+                chunk = self._new_chunk(max(MIN_CHUNK, sum(padded for _, padded in missing)))
             except BaseException:
                 self.release(placements)
                 raise
             new.append(chunk)
-            used.add(chunk.id)
-            for key in missing:
-                off = chunk.take(need[key])
-                if off is None:  # the chunk was sized for these keys
-                    raise ExchangeError(f"a new {chunk.size}-byte chunk could not hold {need[key]} bytes")
-                placements[key] = (chunk.id, off, need[key])
+            for parts, padded in missing:
+                off = chunk.take(padded)
+                if off is None:  # the chunk was sized for these runs
+                    raise ExchangeError(f"a new {chunk.size}-byte chunk could not hold {padded} bytes")
+                place(parts, chunk, off)
         dropped = []
         keep = 2 * self.peak_call_bytes
         capacity = self.capacity

@@ -126,3 +126,22 @@ def test_chunks_of_a_failed_begin_are_forgotten(pool):
     assert pool.chunks == {}
     p2, new2, _ = pool.allocate({"a": 5000})
     assert len(new2) == 1 and new2[0].id != new[0].id  # ids are never reused
+
+
+def test_allocate_runs_lays_a_run_back_to_back_and_gives_it_all_back(tmp_path):
+    from speculators_compat.exchange import ALIGN, GRAIN
+
+    pool = ExchangePool(str(tmp_path))
+    runs = [[(("a", k), 640), (("b", k), 384), (("c", k), 100)] for k in range(2)]
+    placements, new, _ = pool.allocate_runs(runs)
+    assert len(new) == 1
+    for k in range(2):
+        (ca, oa, ra), (cb, ob, rb), (cc, oc, rc) = (placements[(x, k)] for x in "abc")
+        assert ca == cb == cc and ob == oa + 640 and oc == ob + 384  # back to back, in order
+        assert oa % ALIGN == 0 and (ra, rb) == (640, 384)
+        assert rc % GRAIN == 0 and (ra + rb + rc) % ALIGN == 0  # the last key holds the run's padding
+    assert pool.leased == 2 * ALIGN
+    pool.release(placements)
+    assert pool.leased == 0
+    chunk = pool.chunks[new[0].id]
+    assert chunk.free == [(0, chunk.size)]  # the pieces coalesced back into one free range

@@ -68,6 +68,9 @@ class CaptureState:
         self.chunks = {}  # exchange chunk id -> (uint8 tensor, mmap, page-locked?); kept across calls
         self.step = None  # req_id -> (num_tokens, num_computed_before)
         self.spans = None  # [(src_row, req_id, dst_row, n)] for the current step
+        self.copies = None  # per captured layer: the step's copies, contiguous spans merged (merge_copies)
+        self.places = None  # req_id -> [(chunk id, byte offset) per captured layer]
+        self.layout = None  # (dtype, hidden, row bytes) of this call
         self.expected_rows = 0
         self.copy_stream = None
         self.pinned = False
@@ -115,6 +118,7 @@ class CaptureState:
                 return  # a forward outside the driver's steps (none expected): nothing placed
             if self.spans is None:
                 self.spans = self.compute_spans()
+                self.copies = self.merge_copies(self.spans)
             self._copy_rows(self.slot[layer_id], stream)
         else:
             self.legacy_step[layer_id] = stream.clone()
@@ -123,8 +127,32 @@ class CaptureState:
                 self.legacy_step = {}
                 self.worker._store_captured_states(states)
 
+    def merge_copies(self, spans) -> list:
+        """Per captured layer, the step's copies [(destination rows, source row, rows, [(req_id,
+        rows)])]: consecutive spans whose source rows and destination memory are both contiguous
+        (the driver lays a layer's blocks back to back in input order) become one copy."""
+        dtype, hidden, row_bytes = self.layout
+        out = []
+        for slot in range(len(self.layer_ids)):
+            runs: list = []  # [chunk id, byte start, source row, rows, parts]
+            for src, rid, d, n in spans:
+                chunk_id, off = self.places[rid][slot]
+                start = off + d * row_bytes
+                last = runs[-1] if runs else None
+                if last and last[0] == chunk_id and last[1] + last[3] * row_bytes == start and last[2] + last[3] == src:
+                    last[3] += n
+                    last[4].append((rid, n))
+                else:
+                    runs.append([chunk_id, start, src, n, [(rid, n)]])
+            copies = []
+            for chunk_id, start, src, rows, parts in runs:
+                dst = self.chunks[chunk_id][0][start : start + rows * row_bytes].view(dtype).view(rows, hidden)
+                copies.append((dst, src, rows, parts))
+            out.append(copies)
+        return out
+
     def _copy_rows(self, slot, stream):
-        buffers, written = self.buffers, self.written
+        written = self.written
         if stream.device.type == "cuda":
             import torch
 
@@ -133,13 +161,15 @@ class CaptureState:
             self.copy_stream.wait_stream(torch.cuda.current_stream(stream.device))
             stream.record_stream(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
-                for src, rid, d, n in self.spans:
-                    buffers[rid][slot][d : d + n].copy_(stream[src : src + n], non_blocking=self.pinned)
-                    written[rid][slot] += n
+                for dst, src, rows, parts in self.copies[slot]:
+                    dst.copy_(stream[src : src + rows], non_blocking=self.pinned)
+                    for rid, n in parts:
+                        written[rid][slot] += n
         else:
-            for src, rid, d, n in self.spans:
-                buffers[rid][slot][d : d + n].copy_(stream[src : src + n])
-                written[rid][slot] += n
+            for dst, src, rows, parts in self.copies[slot]:
+                dst.copy_(stream[src : src + rows])
+                for rid, n in parts:
+                    written[rid][slot] += n
 
     # -- RPC operations -------------------------------------------------------------------
     def begin(self, b: Begin):
@@ -165,7 +195,7 @@ class CaptureState:
             self.chunks[chunk_id] = (tensor, mm, pinned)
         dtype = getattr(torch, b.dtype)
         row_bytes = b.hidden * torch.empty((), dtype=dtype).element_size()
-        buffers, written, pinned = {}, {}, True
+        buffers, written, places, pinned = {}, {}, {}, True
         for req_id, (blocks, n) in b.placements.items():
             if len(blocks) != b.layers:
                 raise ValueError(f"begin: {req_id} has {len(blocks)} layer blocks for {b.layers} layers")
@@ -175,13 +205,16 @@ class CaptureState:
                 pinned = pinned and chunk_pinned
                 views.append(tensor[offset : offset + n * row_bytes].view(dtype).view(n, b.hidden))
             buffers[req_id] = views
+            places[req_id] = list(blocks)
             written[req_id] = [0] * b.layers
-        self.buffers, self.written, self.pinned = buffers, written, pinned
+        self.buffers, self.written, self.places, self.pinned = buffers, written, places, pinned
+        self.layout = (dtype, b.hidden, row_bytes)
         return {"rank_captures": True, "pinned": self.pinned, "chunks": len(self.chunks)}
 
     def set_step(self, step):
         self.step = step
         self.spans = None
+        self.copies = None
         self.expected_rows = sum(n for n, _ in step.values())
 
     def wait_copies(self):
@@ -208,8 +241,10 @@ class CaptureState:
     def end(self):
         self.buffers = None
         self.written = None
+        self.places = None
         self.step = None
         self.spans = None
+        self.copies = None
         self.pinned = False
 
 

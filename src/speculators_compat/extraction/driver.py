@@ -111,9 +111,11 @@ def _generate(self, token_ids):
         setattr(self, POOL_ATTR, pool)
     timings = {}
     mark = time.perf_counter()
-    # one block [tokens, hidden] per sequence and layer: each result tensor owns its storage
-    placements, new_chunks, _dropped = pool.allocate(
-        {(rid, k): lengths[rid] * row_bytes for rid in req_ids for k in range(nlayers)}
+    # one block [tokens, hidden] per sequence and layer (each result tensor owns its storage); a
+    # layer's blocks back to back in input order, so a step's rows of consecutive sequences are
+    # one range for the workers' copies
+    placements, new_chunks, _dropped = pool.allocate_runs(
+        [[((rid, k), lengths[rid] * row_bytes) for rid in req_ids] for k in range(nlayers)]
     )
     begin = protocol.Begin(
         call=call,
