@@ -49,17 +49,24 @@ def main() -> int:
         slugs = [s for s in slugs if s in args.only.split(",")]
     out_path = Path(args.out_dir or ROOT / "benchmarks" / "results" / "rehearsal") / f"{args.label}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    result = json.loads(out_path.read_text()) if out_path.exists() else {"models": {}, "controls": {}}
-    result["provenance"] = provenance()
+    prov = provenance()
+    result = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if (result.get("provenance") or {}).get("src_tree") != prov.get("src_tree"):
+        result = {}  # entries of another src tree are not extended: this file holds one tree's results
+    result.setdefault("models", {})
+    result.setdefault("controls", {})
+    result["provenance"] = prov
     for slug in slugs:
         print(f"rehearsing {slug} ...", flush=True)
         r = rehearse(slug)
+        r["commit"], r["src_tree"] = prov.get("commit"), prov.get("src_tree")
         result["models"][slug] = r
         print(f"  {r.get('verdict')} exit {r['exit_code']} in {r['process_wall_s']} s", flush=True)
         out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     for slug, pid in (json.loads(args.controls) if args.controls else {}).items():
         print(f"control {slug} without {pid} ...", flush=True)
         r = rehearse(slug, {"SPECULATORS_COMPAT_PATCHES": f"-{pid}"})
+        r["commit"], r["src_tree"] = prov.get("commit"), prov.get("src_tree")
         msg = json.dumps(r.get("failure") or {})
         r["left_out"] = pid
         r["failed_loudly"] = r.get("verdict") == "fail" and r["exit_code"] == 2

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("speculators_compat")
 
