@@ -87,17 +87,18 @@ def _on_workers(gen, fn):
 
 
 def _arm_skip_rows(worker):
-    """Worker side: the next step's first span is not copied (rows lost in this call)."""
+    """Worker side: the next step's first copy (one span, or spans merged into one) is not made
+    (rows lost in this call)."""
     state = worker._speculators_compat_capture
     original = type(state)._copy_rows
 
     def copy_rows(slot, stream):
-        spans = state.spans
-        state.spans = spans[1:]
+        copies = state.copies
+        state.copies = [c[1:] for c in copies]
         try:
             original(state, slot, stream)
         finally:
-            state.spans = spans
+            state.copies = copies
         if slot == len(state.layer_ids) - 1:
             del state._copy_rows  # once: back to the class's method
 
