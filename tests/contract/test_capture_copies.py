@@ -104,3 +104,16 @@ def test_a_shifted_span_is_not_merged_into_its_neighbour(tmp_path, monkeypatch):
     assert not torch.equal(got["r1"][0], expected["r1"][0])  # r1's first rows came one row early
     del got
     gc.collect()
+
+
+def test_a_step_past_a_sequences_rows_is_refused_before_any_copy(tmp_path):
+    """The copies write raw ranges of the exchange memory: a step placing rows beyond a
+    sequence's block (a miscount) must fail there, never spill into the next block."""
+    global STEPS
+    saved = STEPS
+    STEPS = [({"r0": (5, 0), "r1": (4, 0)}, ["r0", "r1"])]  # r1 has 3 rows
+    try:
+        with pytest.raises(RuntimeError, match="places rows 0..4 of 'r1', which has 3 rows"):
+            run_call(tmp_path, hidden=64)
+    finally:
+        STEPS = saved

@@ -70,6 +70,7 @@ class CaptureState:
         self.spans = None  # [(src_row, req_id, dst_row, n)] for the current step
         self.copies = None  # per captured layer: the step's copies, contiguous spans merged (merge_copies)
         self.places = None  # req_id -> [(chunk id, byte offset) per captured layer]
+        self.lengths = None  # req_id -> rows of its blocks
         self.layout = None  # (dtype, hidden, row bytes) of this call
         self.expected_rows = 0
         self.copy_stream = None
@@ -137,6 +138,9 @@ class CaptureState:
             runs: list = []  # [chunk id, byte start, source row, rows, parts]
             for src, rid, d, n in spans:
                 chunk_id, off = self.places[rid][slot]
+                if d < 0 or d + n > self.lengths[rid]:  # never past the sequence's own block
+                    raise RuntimeError(f"capture: the step places rows {d}..{d + n} of {rid!r}, which has "
+                                       f"{self.lengths[rid]} rows")
                 start = off + d * row_bytes
                 last = runs[-1] if runs else None
                 if last and last[0] == chunk_id and last[1] + last[3] * row_bytes == start and last[2] + last[3] == src:
@@ -195,7 +199,7 @@ class CaptureState:
             self.chunks[chunk_id] = (tensor, mm, pinned)
         dtype = getattr(torch, b.dtype)
         row_bytes = b.hidden * torch.empty((), dtype=dtype).element_size()
-        buffers, written, places, pinned = {}, {}, {}, True
+        buffers, written, places, lengths, pinned = {}, {}, {}, {}, True
         for req_id, (blocks, n) in b.placements.items():
             if len(blocks) != b.layers:
                 raise ValueError(f"begin: {req_id} has {len(blocks)} layer blocks for {b.layers} layers")
@@ -206,8 +210,9 @@ class CaptureState:
                 views.append(tensor[offset : offset + n * row_bytes].view(dtype).view(n, b.hidden))
             buffers[req_id] = views
             places[req_id] = list(blocks)
+            lengths[req_id] = n
             written[req_id] = [0] * b.layers
-        self.buffers, self.written, self.places, self.pinned = buffers, written, places, pinned
+        self.buffers, self.written, self.places, self.lengths, self.pinned = buffers, written, places, lengths, pinned
         self.layout = (dtype, b.hidden, row_bytes)
         return {"rank_captures": True, "pinned": self.pinned, "chunks": len(self.chunks)}
 
@@ -242,6 +247,7 @@ class CaptureState:
         self.buffers = None
         self.written = None
         self.places = None
+        self.lengths = None
         self.step = None
         self.spans = None
         self.copies = None

@@ -234,6 +234,10 @@ def build_executor(vllm_config):
     else:
         cls = module.MultiprocExecutor
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        base = getattr(cls, "__wrapped__", None)
+        if base is not None:  # async-scheduling's wrapper: settle as it does, then subclass the class itself
+            settle_async_scheduling(vllm_config, executor_takes_futures(base))
+            cls = base
         cls = pipeline_stages(cls)
     return cls(vllm_config=vllm_config)
 
