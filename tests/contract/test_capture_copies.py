@@ -26,7 +26,7 @@ LAYERS = (1, 3)
 STEPS = [({"r0": (5, 0), "r1": (2, 0)}, ["r0", "r1"]), ({"r1": (1, 2), "r2": (4, 0)}, ["r1", "r2"])]
 
 
-def run_call(tmp_path, hidden: int):
+def run_call(tmp_path, hidden: int, steps=STEPS):
     pool = ExchangePool(str(tmp_path))
     row_bytes = hidden * 2
     placements, new, _ = pool.allocate_runs(
@@ -41,7 +41,7 @@ def run_call(tmp_path, hidden: int):
                                   for rid, n in LENGTHS.items()}))
     expected = {rid: [torch.zeros(n, hidden, dtype=torch.bfloat16) for _ in LAYERS] for rid, n in LENGTHS.items()}
     copies_per_step = []
-    for step, order in STEPS:
+    for step, order in steps:
         worker.model_runner.input_batch.req_ids = order
         state.set_step(step)
         state.spans = state.compute_spans()
@@ -109,11 +109,5 @@ def test_a_shifted_span_is_not_merged_into_its_neighbour(tmp_path, monkeypatch):
 def test_a_step_past_a_sequences_rows_is_refused_before_any_copy(tmp_path):
     """The copies write raw ranges of the exchange memory: a step placing rows beyond a
     sequence's block (a miscount) must fail there, never spill into the next block."""
-    global STEPS
-    saved = STEPS
-    STEPS = [({"r0": (5, 0), "r1": (4, 0)}, ["r0", "r1"])]  # r1 has 3 rows
-    try:
-        with pytest.raises(RuntimeError, match="places rows 0..4 of 'r1', which has 3 rows"):
-            run_call(tmp_path, hidden=64)
-    finally:
-        STEPS = saved
+    with pytest.raises(RuntimeError, match="places rows 0..4 of 'r1', which has 3 rows"):
+        run_call(tmp_path, hidden=64, steps=[({"r0": (5, 0), "r1": (4, 0)}, ["r0", "r1"])])  # r1 has 3 rows
