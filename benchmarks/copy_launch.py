@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("copy_launch: needs a CUDA device (the capture's copy pattern is a device-to-host copy)", file=sys.stderr)
         return 2
-    from speculators_compat.testing.provenance import portable_command, provenance, scrub_paths
+    from speculators_compat_testbed.provenance import portable_command, provenance, scrub_paths
 
     rows = [_measure(s, n, args.hidden, args.reps) for s, n in zip(args.spans, args.rows_per_span)]
     result = {

@@ -44,7 +44,8 @@ def main() -> int:
         capture_output=True, text=True, check=True,
     ).stdout.strip()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-    from speculators_compat.testing.provenance import provenance
+    sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testbed"))
+    from speculators_compat_testbed.provenance import provenance
 
     res = {
         "provenance": provenance(),

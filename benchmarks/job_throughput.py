@@ -238,7 +238,7 @@ def main() -> int:
     import speculators_compat  # noqa: F401
     import torch
     from script_pipeline import installed_speculators, script_for
-    from speculators_compat.testing.tiny_models import build_tiny_model, vllm_env
+    from speculators_compat_testbed.tiny_models import build_tiny_model, vllm_env
 
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     for k, v in vllm_env(args.arch, platform).items():
@@ -296,7 +296,7 @@ def main() -> int:
     warm_b = pass_b()
     print(json.dumps({"init_B_s": init_b, "warmup_B_s": warm_b}), flush=True)
 
-    from speculators_compat.testing.provenance import portable_command, portable_path, provenance, scrub_paths
+    from speculators_compat_testbed.provenance import portable_command, portable_path, provenance, scrub_paths
     from speculators_compat.versions import installed_versions
 
     reps: list[dict] = []

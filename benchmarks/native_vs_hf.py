@@ -29,7 +29,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _hf_logprobs(model_dir: str, dtype: str, prompts: list[list[int]]):
     import torch
 
-    from speculators_compat.testing.reference import load_hf_model
+    from speculators_compat_testbed.reference import load_hf_model
 
     model = load_hf_model(model_dir, dtype)
     out = []

@@ -146,7 +146,7 @@ def main() -> int:
 
     import subprocess
 
-    from speculators_compat.testing.provenance import provenance
+    from speculators_compat_testbed.provenance import provenance
 
     sample_mb = args.tokens * args.hidden * args.layers * 2 / 2**20
     modes = ["speculators", "queue", "queue-nohash"]

@@ -175,12 +175,15 @@ def main() -> int:
     args = p.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # the generator spawns its workers only while it is built; the vllm.LLM engines built after it in
+    # this process must not fork either (the driver asked torch.cuda.is_available())
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # the device-memory readout sends a function to vLLM's workers through LLM.collective_rpc
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     import speculators_compat  # noqa: F401
     import torch
-    from speculators_compat.testing.reference import relative_error
-    from speculators_compat.testing.tiny_models import build_tiny_model, vllm_env
+    from speculators_compat_testbed.reference import relative_error
+    from speculators_compat_testbed.tiny_models import build_tiny_model, vllm_env
 
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     for k, v in vllm_env(args.arch, platform).items():
@@ -366,7 +369,7 @@ def main() -> int:
 
     from speculators_compat.versions import installed_versions
 
-    from speculators_compat.testing.provenance import portable_command, provenance, scrub_paths
+    from speculators_compat_testbed.provenance import portable_command, provenance, scrub_paths
 
     out = {
         "provenance": provenance(),

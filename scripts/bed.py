@@ -512,7 +512,7 @@ print("BEDGATE ok", flush=True)
 
 
 def gate_modules(spec: str, vllm: str, self_installed: bool, extras: list[str]) -> list[str]:
-    mods = ["speculators_compat"] if self_installed else []
+    mods = ["speculators_compat", "speculators_compat_testbed"] if self_installed else []
     if vllm != "none":
         mods.append("vllm")
     if spec != "none":
@@ -591,9 +591,9 @@ def ensure_env(spec: str, vllm: str, root: Path, extras: list[str], rebuild: boo
         if mk and mk.get("hash") == h and not rebuild:
             runner = Runner(env / "bed.log")
             uv = find_uv()
-            if (REPO / "pyproject.toml").exists() and not mk.get("self"):
+            if (REPO / "pyproject.toml").exists() and mk.get("self") != SELF_LAYOUT:
                 if install_self(runner, uv, str(env / "bin" / "python")):
-                    mk["self"] = True
+                    mk["self"] = SELF_LAYOUT
                     (env / ".bed-complete").write_text(json.dumps(mk))
             alias = ensure_vllm_alias(env)
             if alias:
@@ -692,6 +692,11 @@ def ensure_vllm_alias(env: Path) -> str | None:
     (d / "INSTALLER").write_text("bed.py\n")
     (d / "RECORD").write_text("".join(f"{d.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
     return alias
+
+
+# what the editable install of this checkout puts on the path (a bed installed for another layout
+# is installed again on its next use): the runtime package (src/) and the test bed (testbed/)
+SELF_LAYOUT = "src+testbed"
 
 
 def install_self(runner: Runner, uv: str, py: str) -> bool:
@@ -798,7 +803,7 @@ def build(env: Path, spec: str, vllm: str, extras: list[str], h: str, probe_impo
     if gate:
         raise BedError(f"{env.name}: built, but not usable (not marked complete): {gate}")
     (env / ".bed-complete").write_text(json.dumps({"hash": h, "extras": sorted(extras),
-                                                   "self": self_installed,
+                                                   "self": SELF_LAYOUT if self_installed else False,
                                                    **({"gate": "ok"} if probe_imports else {})}))
     bad = [m for m, r in imports.items() if not r["ok"]]
     log(f"built {env.name} in {install_s:.0f}s, {size / 1e9:.1f} GB (du), torch "

@@ -57,11 +57,11 @@ def _check(out: Path) -> int:
                        "_speculators_compat_pth.py"):
             if needed not in names:
                 problems.append(f"runtime wheel lacks {needed}")
-        leaked = [n for n in names if n.startswith("speculators_compat/testing/")]
+        leaked = [n for n in names if n.startswith(("speculators_compat/testing/", "speculators_compat_testbed/"))]
         if leaked:
             problems.append(f"runtime wheel holds the test bed: {leaked[:3]}")
         bed = zipfile.ZipFile(testbed[-1]).namelist()
-        for needed in ("speculators_compat/testing/e2e_runner.py", "speculators_compat/testing/tiny_models.py"):
+        for needed in ("speculators_compat_testbed/e2e_runner.py", "speculators_compat_testbed/tiny_models.py"):
             if needed not in bed:
                 problems.append(f"test-bed wheel lacks {needed}")
         import re
@@ -70,8 +70,8 @@ def _check(out: Path) -> int:
         pin = re.search(r'"speculators-compat==([^"]+)"', (ROOT / "testbed" / "pyproject.toml").read_text())
         if not pin or pin.group(1) != version:
             problems.append(f"testbed/pyproject.toml must pin speculators-compat=={version} (found {pin.group(1) if pin else 'none'})")
-        if any(n.startswith("speculators_compat/") and not n.startswith("speculators_compat/testing/") for n in bed):
-            problems.append("test-bed wheel holds runtime modules (it must only add speculators_compat/testing/)")
+        if any(n.startswith("speculators_compat/") for n in bed):
+            problems.append("test-bed wheel holds runtime modules (it must only hold speculators_compat_testbed/)")
         twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, runtime + sdist + testbed)],
                                capture_output=True, text=True)
         if twine.returncode != 0:
@@ -80,7 +80,7 @@ def _check(out: Path) -> int:
         print(f"check_dist: {p}", file=sys.stderr)
     if not problems:
         sizes = ", ".join(f"{p.name} {p.stat().st_size // 1024} KiB" for p in runtime + sdist + testbed)
-        print(f"check_dist: ok ({sizes}); runtime wheel without speculators_compat/testing; twine check passed")
+        print(f"check_dist: ok ({sizes}); runtime wheel without the test bed; twine check passed")
     return 1 if problems else 0
 
 

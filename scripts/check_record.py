@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from speculators_compat.testing.provenance import provenance, scrub_paths  # noqa: E402
+sys.path.insert(1, str(ROOT / "testbed"))
+from speculators_compat_testbed.provenance import provenance, scrub_paths  # noqa: E402
 
 
 def main() -> int:

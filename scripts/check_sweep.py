@@ -71,10 +71,11 @@ def _git(*a: str) -> str:
 
 
 def provenance_of(commit: str | None) -> dict:
-    """The provenance block (speculators_compat.testing.provenance) of what the check ran: the
+    """The provenance block (speculators_compat_testbed.provenance) of what the check ran: the
     snapshot of ``commit`` (clean by construction), or the working tree."""
     sys.path.insert(0, str(ROOT / "src"))
-    from speculators_compat.testing.provenance import portable_command, provenance  # noqa: PLC0415
+    sys.path.insert(1, str(ROOT / "testbed"))
+    from speculators_compat_testbed.provenance import portable_command, provenance  # noqa: PLC0415
 
     prov = provenance(portable_command())
     if commit:

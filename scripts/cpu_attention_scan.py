@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT / "testbed"))
 
 PROBE = r"""
 import json, torch
@@ -44,7 +45,7 @@ def main() -> int:
     ap.add_argument("--speculators", default="none")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from speculators_compat.testing.provenance import portable_command, provenance
+    from speculators_compat_testbed.provenance import portable_command, provenance
 
     rows = []
     for item in args.vllm:  # V, or S:V to use the bed of speculators S
@@ -55,7 +56,7 @@ def main() -> int:
             rows.append({"vllm": v, "error": "test bed could not be built"})
             continue
         py = r.stdout.strip().splitlines()[-1]
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), VLLM_CPU_KVCACHE_SPACE="1", SPECULATORS_COMPAT_DISABLE="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "testbed")]), VLLM_CPU_KVCACHE_SPACE="1", SPECULATORS_COMPAT_DISABLE="1")
         p = subprocess.run([py, "-c", PROBE], capture_output=True, text=True, env=env)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SCAN ")), None)
         if line is None:

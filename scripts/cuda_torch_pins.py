@@ -21,10 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT / "testbed"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import update_tested as ut  # noqa: E402 - the tested table's rule and version order
-from speculators_compat.testing.provenance import provenance  # noqa: E402
+from speculators_compat_testbed.provenance import provenance  # noqa: E402
 
 PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]

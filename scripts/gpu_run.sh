@@ -2,7 +2,7 @@
 # Everything the GPU issue asks for, in one device call (H200, CUDA vLLM 0.24 from the bundle).
 #
 # Here (CPU machine), once:   bash scripts/gpu_prepare.sh        # .gpu/bundle + our wheels
-# Then:                       python -m speculators_compat.testing.provenance --stamp
+# Then:                       python -m speculators_compat_testbed.provenance --stamp
 # and one device call:        command "bash scripts/gpu_run.sh", carry [".gpu", ".checkout.json"]
 # Results land in $OUT (copied back); commit them under benchmarks/results/gpu/.
 #
@@ -26,7 +26,7 @@ export OUT=${OUT:-$SCRATCH/out}; mkdir -p "$OUT"
 B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 # Provenance: the device's copy of the checkout may hold a .git of an older commit (the work tree
-# is ours, its history is not). When .checkout.json (python -m speculators_compat.testing.provenance
+# is ours, its history is not). When .checkout.json (python -m speculators_compat_testbed.provenance
 # --stamp, here before the call) names a commit other than that .git's HEAD, that .git is moved
 # aside for the run, so provenance hashes src/ from the files and binds the result to the stamp.
 if [ -d .git-device ] && [ ! -e .git ]; then mv -T .git-device .git; fi  # an earlier run cut off before its trap
@@ -59,7 +59,7 @@ for v in 0.3.0 0.4.0.1; do
 done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2 n=${CELL_NAME:-$2}; shift 2
-  PYTHONPATH=$PWD/src:$SCRATCH/spec-$v:$SITE timeout 420 python3 -m speculators_compat.testing.e2e_runner \
+  PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-$v:$SITE timeout 420 python3 -m speculators_compat_testbed.e2e_runner \
     --arch "$a" --out "$OUT/e2e_spec-${v}_${n}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${n}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
@@ -83,7 +83,7 @@ if [[ " $STEPS " == *" rehearse "* ]]; then
   MLA_ONLY=${REHEARSE_MLA:-}
   for group in "$DENSE_ONLY:TRITON_ATTN" "$MOE_ONLY:TRITON_ATTN" "$MLA_ONLY:TRITON_MLA"; do
     only=${group%%:*}; backend=${group##*:}; [ -n "$only" ] || continue
-    SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE \
+    SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE \
       timeout ${REHEARSE_TIMEOUT:-500} python3 scripts/rehearse_released.py --label "gpu_spec-0.4.0.1_vllm-$VV" \
       --only "$only" --out-dir "$OUT" ${REHEARSE_CONTROLS:+--controls "$REHEARSE_CONTROLS"}
     REHEARSE_CONTROLS=
@@ -100,12 +100,12 @@ if [[ " $STEPS " == *" v1 "* ]]; then
 fi
 if [[ " $STEPS " == *" start "* ]]; then
   echo "== a worker that cannot start (corrupt weights): the caller's exception, with the shim and without"
-  PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 500 python3 scripts/worker_start_check.py \
+  PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout 500 python3 scripts/worker_start_check.py \
     --out "$OUT/worker_start_h200.json" > "$OUT/worker_start_h200.log" 2>&1; echo "start rc=$?"
 fi
 if [[ " $STEPS " == *" faults "* ]]; then
   echo "== fault battery on the GPU (Ctrl-C at every reply read, lost rows, worker exception, ...)"
-  PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 400 python3 -m speculators_compat.testing.fault_runner --fault recover \
+  PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout 400 python3 -m speculators_compat_testbed.fault_runner --fault recover \
     --timeout 60 --out "$OUT/faults_recover_h200.json" > "$OUT/faults_recover_h200.log" 2>&1; echo "faults rc=$?"
 fi
 # Router near-ties (issue #14): every MoE cell below (mla: HF reference; mlaref / kimi: the engine's own
@@ -151,7 +151,7 @@ if [[ " $STEPS " == *" int4 "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   # Each cell: the capture vs the same engine's own forward on the packed checkpoint (decides), and vs HF on the
   # dequantized copy (recorded under references.hf; bf16 expert near-ties and Marlin's bf16 dequant are expected there)
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
-  PYTHONPATH=$PWD/src:$SITE python3 -c 'import compressed_tensors as ct, torch
+  PYTHONPATH=$PWD/src:$PWD/testbed:$SITE python3 -c 'import compressed_tensors as ct, torch
 print("compressed-tensors", ct.__version__)
 import vllm._C_stable_libtorch, vllm._moe_C_stable_libtorch  # what CudaPlatform.import_kernels loads
 print("ops: _moe_C.moe_wna16_marlin_gemm", hasattr(torch.ops._moe_C, "moe_wna16_marlin_gemm"), "_C.gptq_marlin_repack", hasattr(torch.ops._C, "gptq_marlin_repack"))
@@ -164,7 +164,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   echo "== throughput: shim vs native prefill"
   # four engines on one GPU: the generator (KV 20 GB), the 1-layer capture control (the same), vLLM's LLM
   # and vLLM's own extraction (0.2 each)
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 BENCH_GPU_UTIL=0.2 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 BENCH_GPU_UTIL=0.2 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --vllm-extract --capture-control --out "$OUT/throughput_h200.json" \
     > "$OUT/throughput_h200.log" 2>&1; echo "bench rc=$?"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
@@ -180,9 +180,9 @@ if [[ " $STEPS " == *" job "* ]]; then
   if [ -d .gpu/job-whl ] && [ ! -d "$SITE/datasets" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .gpu/job-whl/*.whl || echo "job: wheel install failed"
   fi
-  PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
+  PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
     || echo "job: the script's imports fail (datasets missing? carry .gpu/job-whl)"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout ${JOB_TIMEOUT:-300} python3 benchmarks/job_throughput.py \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${JOB_TIMEOUT:-300} python3 benchmarks/job_throughput.py \
     --hidden 2048 --layers 8 --n 32 --batch-size 8 --seq-length 2048 --reps ${JOB_REPS:-2} --gpu-util 0.4 \
     --script tests/e2e/speculators_scripts/v0.4.0.1/data_generation_offline.py --work "$SCRATCH/job" \
     --script-timeout 150 --out "$OUT/job_throughput_h200.json" > "$OUT/job_throughput_h200.log" 2>&1; echo "job rc=$?"
@@ -191,13 +191,13 @@ if [[ " $STEPS " == *" job "* ]]; then
 fi
 if [[ " $STEPS " == *" capture "* ]]; then
   echo "== capture cost at a wider shape (hidden 4096 x 8 layers, intermediate 8192): 3 layers vs the 1-layer control, shim only"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/throughput.py --hidden 4096 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/throughput.py --hidden 4096 --layers 8 \
     --batch ${CAPTURE_BATCH:-32} --prompt-len ${CAPTURE_LENS:-512 1024 2048} --reps ${CAPTURE_REPS:-7} --max-model-len 4096 --no-native --capture-control --gpu-util 0.3 --out "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.json" \
     > "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.log" 2>&1; echo "capture bench rc=$?"
 fi
 if [[ " $STEPS " == *" noasync "* ]]; then
   echo "== throughput vs native without async scheduling (as the generator's engine runs)"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --native-async-scheduling off \
     --out "$OUT/throughput_h200_native_noasync.json" > "$OUT/throughput_h200_native_noasync.log" 2>&1; echo "bench noasync rc=$?"
 fi
@@ -208,14 +208,14 @@ if [[ " $STEPS " == *" tp2 "* ]]; then
 fi
 if [[ " $STEPS " == *" bench16 "* ]]; then
   echo "== throughput, 16 layers (hidden 2048), 7 repetitions: shim vs native prefill"
-  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 16 \
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout 560 python3 benchmarks/throughput.py --hidden 2048 --layers 16 \
     --batch 32 --prompt-len 512 1024 2048 --reps 7 --max-model-len 4096 --out "$OUT/throughput_h200_16l.json" \
     > "$OUT/throughput_h200_16l.log" 2>&1; echo "bench16 rc=$?"
 fi
 if [[ " $STEPS " == *" pipeoff "* ]]; then
   echo "== shim throughput with the serial driver (SPECULATORS_COMPAT_PIPELINE=0: one batch in flight, no async scheduling)"
   for mode in 0 1; do
-    SPECULATORS_COMPAT_PIPELINE=$mode SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 200 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+    SPECULATORS_COMPAT_PIPELINE=$mode SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout 200 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
       --batch 32 --prompt-len 512 1024 2048 --reps 5 --max-model-len 4096 --no-native --out "$OUT/throughput_h200_shim_pipeline$mode.json" \
       > "$OUT/throughput_h200_shim_pipeline$mode.log" 2>&1; echo "shim pipeline=$mode rc=$?"
   done
@@ -223,13 +223,13 @@ fi
 if [[ " $STEPS " == *" hook "* ]]; then
   echo "== per-layer hook overhead (CPU tensors on the host's cores, then CUDA tensors)"
   for d in cpu cuda; do
-    PYTHONPATH=$PWD/src:$SITE timeout 200 python3 benchmarks/hook_overhead.py --calls 5000 --reps 21 --device $d \
+    PYTHONPATH=$PWD/src:$PWD/testbed:$SITE timeout 200 python3 benchmarks/hook_overhead.py --calls 5000 --reps 21 --device $d \
       --out "$OUT/hook_overhead_h200host_$d.json" > "$OUT/hook_overhead_$d.log" 2>&1; echo "hook $d rc=$?"
   done
 fi
 if [[ " $STEPS " == *" nopin "* ]]; then
   echo "== throughput with SPECULATORS_COMPAT_PIN=0 (pageable exchange buffers)"
-  SPECULATORS_COMPAT_PIN=0 SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$SCRATCH/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
+  SPECULATORS_COMPAT_PIN=0 SPECULATORS_COMPAT_KV_CACHE_BYTES=40000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout 300 python3 benchmarks/throughput.py --hidden 2048 --layers 8 \
     --batch 32 --prompt-len 1024 --reps 5 --max-model-len 4096 --out "$OUT/throughput_h200_nopin.json" \
     > "$OUT/throughput_h200_nopin.log" 2>&1; echo "bench nopin rc=$?"
 fi

@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from speculators_compat.testing import tiny_models
-    from speculators_compat.testing.e2e_runner import _lengths_chunked, _lengths_mixed, _sequences
-    from speculators_compat.testing.reference import _row_errors, hf_layer_outputs, load_hf_model
+    from speculators_compat_testbed import tiny_models
+    from speculators_compat_testbed.e2e_runner import _lengths_chunked, _lengths_mixed, _sequences
+    from speculators_compat_testbed.reference import _row_errors, hf_layer_outputs, load_hf_model
 
     model_dir = tiny_models.build_tiny_model(args.arch)
     n = AutoConfig.from_pretrained(model_dir).num_hidden_layers
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     }
     batches["truncated"] = [s[: args.max_model_len - 1] for s in batches["truncated"]]
     models = {d: load_hf_model(model_dir, dtype=d) for d in ("float32", "bfloat16")}
-    from speculators_compat.testing.provenance import provenance
+    from speculators_compat_testbed.provenance import provenance
 
     out: dict = {"provenance": provenance(), "arch": args.arch, "model_dir": model_dir.name, "layer_ids": ids,
                  "seed": args.seed, "cases": {}}

@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT / "testbed"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from update_tested import _vkey  # noqa: E402 - the tested table's own version order
 

@@ -1,4 +1,4 @@
-"""Run one e2e cell (speculators_compat.testing.e2e_runner) with a given Python and record the
+"""Run one e2e cell (speculators_compat_testbed.e2e_runner) with a given Python and record the
 result with provenance (commit, dirty, src tree, date, command, host), machine paths removed.
 
     python scripts/record_e2e.py --python PY --env-label LABEL --out OUT.json [--pythonpath-extra DIR
@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from speculators_compat.testing.provenance import provenance, scrub_paths  # noqa: E402
+sys.path.insert(1, str(ROOT / "testbed"))
+from speculators_compat_testbed.provenance import provenance, scrub_paths  # noqa: E402
 
 
 def main() -> int:
@@ -39,11 +40,11 @@ def main() -> int:
     extra_env = dict(kv.split("=", 1) for kv in args.env)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECULATORS_COMPAT_")}
     env.update(extra_env)
-    env["PYTHONPATH"] = os.pathsep.join(args.pythonpath_extra + [args.src])
+    env["PYTHONPATH"] = os.pathsep.join(args.pythonpath_extra + [args.src, str(ROOT / "testbed")])
     with tempfile.TemporaryDirectory() as cwd:
         result = Path(cwd) / "result.json"
         started = time.perf_counter()
-        proc = subprocess.run([python, "-m", "speculators_compat.testing.e2e_runner", *runner, "--out", str(result)],
+        proc = subprocess.run([python, "-m", "speculators_compat_testbed.e2e_runner", *runner, "--out", str(result)],
                               cwd=cwd, env=env, capture_output=True, text=True, timeout=3000)
         wall = time.perf_counter() - started
         cell = json.loads(result.read_text()) if result.is_file() else None
@@ -51,7 +52,7 @@ def main() -> int:
     pypath = ":".join([f"<{lab}>" for lab in labels] + [args.src_label])
     envs = " ".join(f"{k}={v}" for k, v in extra_env.items())
     command = (f"cd $(mktemp -d) && PYTHONPATH={pypath} {envs} <{args.env_label}>/bin/python -m "
-               f"speculators_compat.testing.e2e_runner {' '.join(runner)} --out result.json")
+               f"speculators_compat_testbed.e2e_runner {' '.join(runner)} --out result.json")
     record = {
         "env": args.env_label,
         "exit_code": proc.returncode,

@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--controls", default=None,
                     help="JSON {slug: patch id} to leave out in a second run (must fail naming it)")
     args = ap.parse_args()
-    from speculators_compat.testing.provenance import provenance
+    from speculators_compat_testbed.provenance import provenance
 
     slugs = sorted(p.parent.name for p in CONFIGS.glob("*/config.json"))
     if args.only:
@@ -80,7 +80,7 @@ def main() -> int:
             result["provenance"]["machine"]["gpu"] = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - no torch here: a CPU record
         pass
-    from speculators_compat.testing.provenance import scrub_paths
+    from speculators_compat_testbed.provenance import scrub_paths
 
     out_path.write_text(json.dumps(scrub_paths(result), indent=2, default=str) + "\n")
     return 0

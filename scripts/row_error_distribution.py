@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The per-row error distribution behind ``reference.ROW_TOLERANCE``, from a saved e2e run.
 
-    PYTHONPATH=$PWD/src $PY -m speculators_compat.testing.e2e_runner --arch llama --out r.json --save-tensors r.pt
+    PYTHONPATH=$PWD/src:$PWD/testbed $PY -m speculators_compat_testbed.e2e_runner --arch llama --out r.json --save-tensors r.pt
     PYTHONPATH=$PWD/src $PY scripts/row_error_distribution.py r.pt
 
 Prints, over every row (token) of every sequence and captured layer: the quantiles of the correct
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from speculators_compat.testing.reference import row_errors
+from speculators_compat_testbed.reference import row_errors
 
 
 def main(paths: list[str]) -> int:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT / "testbed"))
 
-from speculators_compat.testing.provenance import scrub_paths  # noqa: E402
+from speculators_compat_testbed.provenance import scrub_paths  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 """Re-run every CPU e2e cell at HEAD, then regenerate the tested table (``make sweep``).
 
 Cells: every (speculators, vLLM) pair of ``noxfile.PAIRS`` x ``--archs`` (default llama,qwen3),
-each through ``speculators_compat.testing.e2e_runner`` in that pair's test-bed env with this
+each through ``speculators_compat_testbed.e2e_runner`` in that pair's test-bed env with this
 checkout's ``src/`` first on PYTHONPATH, written to
 ``benchmarks/results/e2e/spec-S_vllm-V_ARCH.json``; then ``scripts/update_tested.py``.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "e2e"
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT / "testbed"))
 
 
 def nox_pairs() -> list[tuple[str, str]]:
@@ -60,8 +61,8 @@ def out_path(spec: str, vllm: str, arch: str, unpatched: bool) -> Path:
 
 def run_cell(py: str, spec: str, vllm: str, arch: str, unpatched: bool, timeout: int) -> dict:
     dest = out_path(spec, vllm, arch, unpatched)
-    cmd = [py, "-m", "speculators_compat.testing.e2e_runner", "--arch", arch, "--out", str(dest)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_KVCACHE_SPACE":
+    cmd = [py, "-m", "speculators_compat_testbed.e2e_runner", "--arch", arch, "--out", str(dest)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "testbed")]), "VLLM_CPU_KVCACHE_SPACE":
            os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     if unpatched:
         cmd.append("--unpatched")
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
             print(out_path(s, v, a, u).relative_to(ROOT))
         return 0
 
-    from speculators_compat.testing.provenance import provenance
+    from speculators_compat_testbed.provenance import provenance
 
     prov = provenance("scripts/sweep.py")
     if prov.get("dirty") is not False and not args.allow_dirty:

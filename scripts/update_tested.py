@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate the ``tested:`` table of compat_matrix.yaml from real end-to-end results.
 
-Reads every result JSON written by ``speculators_compat.testing.e2e_runner`` under
+Reads every result JSON written by ``speculators_compat_testbed.e2e_runner`` under
 ``benchmarks/results/e2e/`` and ``benchmarks/results/gpu/`` (recursively; files that are not e2e
 results, e.g. throughput benchmarks, are skipped). Cells are keyed by what the JSON says
 (installed versions, arch, platform, patched/unpatched), not by file name.
@@ -9,7 +9,7 @@ results, e.g. throughput benchmarks, are skipped). Cells are keyed by what the J
 A result COUNTS only when all of these hold (nothing is re-judged against today's tolerances:
 the runner's own verdict is taken as recorded):
 
-- it carries ``provenance`` (``speculators_compat.testing.provenance``) with a commit, a src
+- it carries ``provenance`` (``speculators_compat_testbed.provenance``) with a commit, a src
   tree, and ``dirty: false``;
 - it finished (no ``error``) with every case present (mixed, chunked, truncated, repeat), one
   output per input sequence and every output as long as expected (``lengths_out`` equals
@@ -69,12 +69,12 @@ ARCH_ORDER = ["llama", "qwen3"]
 CASES = ("mixed", "chunked", "truncated")
 E2E_COMMAND = (
     "make sweep   # every CPU pair of noxfile.PAIRS x llama,qwen3 at HEAD, then this script; one cell:\n"
-    "PYTHONPATH=$PWD/src VLLM_CPU_KVCACHE_SPACE=1 $PY -m speculators_compat.testing.e2e_runner --arch ARCH "
+    "PYTHONPATH=$PWD/src:$PWD/testbed VLLM_CPU_KVCACHE_SPACE=1 $PY -m speculators_compat_testbed.e2e_runner --arch ARCH "
     "--out benchmarks/results/e2e/spec-S_vllm-V_ARCH.json"
 )
 UNPATCHED_NOTE = (
     "Unpatched cells are run with `SPECULATORS_COMPAT_DISABLE=1` in the environment as well as"
-    " `--unpatched`: `python -m speculators_compat.testing.e2e_runner` imports (and so activates)"
+    " `--unpatched`: `python -m speculators_compat_testbed.e2e_runner` imports (and so activates)"
     " the package before the runner sets the variable, so `--unpatched` alone leaves the main"
     " process patched and only the workers unpatched."
 )
@@ -101,6 +101,7 @@ def _vkey(version: str) -> tuple:
 
     if str(ROOT / "src") not in sys.path:
         sys.path.insert(0, str(ROOT / "src"))
+        sys.path.insert(1, str(ROOT / "testbed"))
     from speculators_compat.versions import normalize  # noqa: PLC0415
 
     try:
@@ -478,6 +479,7 @@ def validate(text: str) -> None:
     assert isinstance(top, dict) and "tested" in top, "no tested: section after rewrite"
     try:
         sys.path.insert(0, str(ROOT / "src"))
+        sys.path.insert(1, str(ROOT / "testbed"))
         from speculators_compat.matrix import load_matrix  # noqa: PLC0415
         from speculators_compat.patches import all_patches  # noqa: PLC0415
     except Exception as exc:  # noqa: BLE001 - yaml-level check already done
@@ -508,7 +510,7 @@ def render_summary(grouped: dict, rows: list[dict], head_tree: str | None) -> st
         " installed vLLM, batteries `mixed`/`chunked`/`truncated`/`repeat`, every captured layer compared"
         " with HF transformers on the same weights: the relative Frobenius error per (sequence, layer)"
         " (*err*) and every row's own error (*row*: the worst row; bounds in"
-        " `speculators_compat.testing.reference`). A cell counts when its provenance names the"
+        " `speculators_compat_testbed.reference`). A cell counts when its provenance names the"
         " src tree of HEAD (`git rev-parse HEAD:src`) and a clean tree; older cells are stale"
         " (their commit is given) and count for nothing until re-run (`make sweep`).",
         "",

@@ -43,8 +43,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     import speculators_compat  # noqa: F401
-    from speculators_compat.testing import build_tiny_model
-    from speculators_compat.testing.provenance import portable_command, provenance, scrub_paths
+    from speculators_compat_testbed import build_tiny_model
+    from speculators_compat_testbed.provenance import portable_command, provenance, scrub_paths
 
     work = Path(tempfile.mkdtemp(prefix="worker-start-"))
     model = work / "llama-corrupt"
@@ -73,7 +73,7 @@ def main() -> int:
            "starts": starts,
            "passed": starts["shim"]["names_cause"] and not starts["control_patches_left_out"]["names_cause"]
            and (starts["shim"]["error"] or {}).get("type") == (starts["control_patches_left_out"]["error"] or {}).get("type")}
-    from speculators_compat.testing.provenance import machine
+    from speculators_compat_testbed.provenance import machine
 
     out["provenance"]["machine"] = machine()
     Path(args.out).write_text(json.dumps(scrub_paths(out), indent=2) + "\n")

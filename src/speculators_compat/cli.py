@@ -175,7 +175,7 @@ def cmd_report_patch(args) -> int:
 def cmd_rehearse(args) -> int:
     """``check --model``: exit 0 the rehearsal passes, 2 it fails, 3 it cannot run (one line why)."""
     try:
-        from .testing import rehearsal
+        from speculators_compat_testbed import rehearsal
     except ImportError as exc:
         return _cannot("check", ImportError(f"check --model needs the test bed (pip install speculators-compat-testing): {exc}"))
     try:

@@ -21,10 +21,10 @@ def run_demo(args) -> int:
     import importlib.util
 
     try:
-        from .testing import e2e_runner
+        from speculators_compat_testbed import e2e_runner
     except ImportError:
         print(
-            "speculators-compat demo: the test bed (speculators_compat.testing) is not installed: it ships as "
+            "speculators-compat demo: the test bed (speculators_compat_testbed) is not installed: it ships as "
             "speculators-compat-testing (testbed/ in the repository); from a checkout, `make demo` builds it",
             file=sys.stderr,
         )

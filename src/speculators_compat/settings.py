@@ -70,6 +70,11 @@ SETTINGS: dict[str, Setting] = {
         Setting("SPECULATORS_COMPAT_SELF_CHECK_EVERY", "number", 64.0,
                 "speculators' script under `run`: sample 0 joins every Nth batch again and its rows must "
                 "match its first capture (the run stops if not; 0: off)", minimum=-1),
+        Setting("SPECULATORS_COMPAT_DTYPE", "text", None,
+                "the generator engine's dtype (`float32`, `bfloat16`, `float16`; default: speculators' `auto`)"),
+        Setting("SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "number", 0.0,
+                "tokens per engine step (`max_num_batched_tokens`; longer prompts are prefilled in chunks); "
+                "0: speculators' choice", minimum=-1),
         Setting("SPECULATORS_COMPAT_SAVE_BUFFER_MB", "number", 2048.0,
                 "the script's samples waiting to be saved, at most (MiB); the loop waits beyond it", minimum=0),
     ]

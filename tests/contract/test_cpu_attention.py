@@ -93,7 +93,7 @@ def test_where_only_amx_fails_the_wrapper_gives_16(monkeypatch):
                         lambda isa, dtype, head: "no amx kernel in this wheel" if isa == "amx" else real(isa, dtype, head))
     from vllm.config import CacheConfig, ModelConfig
 
-    from speculators_compat.testing import build_tiny_model
+    from speculators_compat_testbed import build_tiny_model
 
     model = ModelConfig(model=str(build_tiny_model("llama")), max_model_len=2048, enforce_eager=True)
     if model.dtype != torch.bfloat16 or pick_isa(torch.bfloat16, 128, 64) != "amx":
@@ -115,7 +115,7 @@ def test_the_wrapper_leaves_what_the_plan_says(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.config import CacheConfig, ModelConfig
 
-    from speculators_compat.testing import build_tiny_model
+    from speculators_compat_testbed import build_tiny_model
 
     model = ModelConfig(model=str(build_tiny_model("llama")), max_model_len=2048, enforce_eager=True)
     cache = CacheConfig(gpu_memory_utilization=0.5)  # as cache-config-args builds it: block size unset

@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 def test_a_foreign_config_registration_does_not_stop_the_reference(monkeypatch):
     from transformers import CONFIG_MAPPING, PretrainedConfig
 
-    from speculators_compat.testing import build_tiny_model
-    from speculators_compat.testing.reference import _transformers_classes, decoder_layers, load_hf_model
+    from speculators_compat_testbed import build_tiny_model
+    from speculators_compat_testbed.reference import _transformers_classes, decoder_layers, load_hf_model
 
     # transformers 5: its Kimi_K25ForConditionalGeneration; 4.57: no Kimi class, the text decoder
     # (DeepSeek-V3 on the language_model.* tensors). Either way the same model as without vLLM's config.

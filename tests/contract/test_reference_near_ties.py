@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat.testing.reference import (  # noqa: E402
+from speculators_compat_testbed.reference import (  # noqa: E402
     EXPLAINED_CAP,
     MARGIN_TIE,
     ROW_TOLERANCE,
@@ -211,8 +211,8 @@ def test_hf_margins_on_the_installed_transformers(arch):
     are computed from must be the router's own: equal to its output where that is the logits,
     else selecting the very experts the router selected."""
     pytest.importorskip("transformers")
-    from speculators_compat.testing import build_tiny_model
-    from speculators_compat.testing.reference import (
+    from speculators_compat_testbed import build_tiny_model
+    from speculators_compat_testbed.reference import (
         _hf_router,
         decoder_layers,
         hf_layer_outputs,
@@ -270,7 +270,7 @@ class _ChoiceRouter(torch.nn.Module):
 
 
 def test_router_logits_recompute_includes_the_gate_bias():
-    from speculators_compat.testing.reference import router_logits
+    from speculators_compat_testbed.reference import router_logits
 
     torch.manual_seed(0)
     gate, x = _ChoiceRouter(), torch.randn(5, 16)
@@ -284,7 +284,7 @@ def test_router_logits_recompute_includes_the_gate_bias():
 def test_router_logits_width_from_output_size_when_the_weight_is_packed_away():
     """vLLM 0.32's CPU linear layers leave an empty ``weight`` after packing it; the logits are
     the output, one column per expert as ``output_size`` says; a wrong width is refused."""
-    from speculators_compat.testing.reference import router_logits
+    from speculators_compat_testbed.reference import router_logits
 
     gate = torch.nn.Module()
     gate.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the bed envs have torch; this module needs nothing else
 
-from speculators_compat.testing.reference import ROW_TOLERANCE, TOLERANCE, compare, relative_error  # noqa: E402
+from speculators_compat_testbed.reference import ROW_TOLERANCE, TOLERANCE, compare, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.contract
 

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat.testing.reference import (  # noqa: E402
+from speculators_compat_testbed.reference import (  # noqa: E402
     MASSIVE_RATIO,
     ROW_TOLERANCE,
     SPREAD_CAP,

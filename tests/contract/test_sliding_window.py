@@ -19,8 +19,8 @@ pytestmark = pytest.mark.contract
 vllm = pytest.importorskip("vllm")
 
 from speculators_compat.patches.engine_options import engine_sliding_window  # noqa: E402
-from speculators_compat.testing import build_tiny_model  # noqa: E402
-from speculators_compat.testing.tiny_models import MISTRAL_SLIDING_WINDOW  # noqa: E402
+from speculators_compat_testbed import build_tiny_model  # noqa: E402
+from speculators_compat_testbed.tiny_models import MISTRAL_SLIDING_WINDOW  # noqa: E402
 
 
 def _engine_and_ours(model: str):

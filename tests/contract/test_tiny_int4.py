@@ -23,7 +23,7 @@ pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from speculators_compat.testing import tiny_models as tm  # noqa: E402
+from speculators_compat_testbed import tiny_models as tm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_dequantizes_back_close_to_the_unquantized_weights(built):
 def test_hf_loads_the_dequantized_copy(built):
     """HF's reference for the INT4 cells: the dequantized copy loads (every tensor used) and runs;
     its layers differ from the unquantized model's (the int4 rounding), by a bounded amount."""
-    from speculators_compat.testing.reference import hf_layer_outputs, load_hf_model, relative_error
+    from speculators_compat_testbed.reference import hf_layer_outputs, load_hf_model, relative_error
 
     q, plain = built
     seqs = [[1] + list(range(10, 60))]

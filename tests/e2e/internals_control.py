@@ -81,11 +81,11 @@ def _short(path: str) -> str:
 
 
 def run_control(python: str, out: Path, arch: str = "llama", timeout: int = 1200) -> dict:
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "testbed"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": pythonpath, "SPECULATORS_COMPAT_PATCHES": selection()}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     out.unlink(missing_ok=True)  # never read an earlier run's result as this one's
-    proc = subprocess.run([python, "-m", "speculators_compat.testing.e2e_runner", "--arch", arch, "--out", str(out)],
+    proc = subprocess.run([python, "-m", "speculators_compat_testbed.e2e_runner", "--arch", arch, "--out", str(out)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=str(out.parent))
     if not out.exists():
         raise RuntimeError(f"runner wrote no result (rc {proc.returncode}): {proc.stderr[-2000:]}")

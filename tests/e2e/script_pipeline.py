@@ -82,7 +82,7 @@ def script_for(speculators_version: str) -> Path:
 
 
 def tiny_chat_model() -> Path:
-    from speculators_compat.testing.tiny_models import build_tiny_model
+    from speculators_compat_testbed.tiny_models import build_tiny_model
 
     return build_tiny_model("llama")
 

@@ -22,7 +22,7 @@ def _fault(tmp_path, fault: str) -> dict:
     out = tmp_path / f"fault-{fault}.json"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "speculators_compat.testing.fault_runner",
+            sys.executable, "-m", "speculators_compat_testbed.fault_runner",
             "--out", str(out), "--timeout", str(BOUND_S), "--fault", fault,
         ],
         capture_output=True,

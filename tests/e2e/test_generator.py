@@ -1,6 +1,6 @@
 """speculators' real generator on the installed real vLLM, against HF transformers.
 
-Each cell runs ``speculators_compat.testing.e2e_runner`` in a fresh process (CPU vLLM spawns
+Each cell runs ``speculators_compat_testbed.e2e_runner`` in a fresh process (CPU vLLM spawns
 its workers; a fresh process also keeps the unpatched baseline free of the shim). Which
 architectures: ``SPECULATORS_COMPAT_E2E_ARCHS`` (comma-separated; default ``llama,qwen3,mistral``: Mistral runs a 256-token sliding window, another attention path).
 Results are also written to ``SPECULATORS_COMPAT_RESULTS`` (a folder) when set, for
@@ -29,7 +29,7 @@ TIMEOUT = int(os.environ.get("SPECULATORS_COMPAT_E2E_TIMEOUT", "1200"))
 def _run_cell(arch: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"{arch}{'-'.join(extra)}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "speculators_compat.testing.e2e_runner", "--arch", arch, "--out", str(out), *extra],
+        [sys.executable, "-m", "speculators_compat_testbed.e2e_runner", "--arch", arch, "--out", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,

@@ -3,7 +3,7 @@
 SKIPPED unless Ray is installed in the env (``pip install 'speculators-compat[ray]'``): the
 default test bed has no Ray, so ``make test`` does not run this. To run it, use an env with Ray
 (see README, "Beyond one host"), e.g.
-``PYTHONPATH=$PWD/src VLLM_CPU_KVCACHE_SPACE=1 $PY -m pytest -m e2e tests/e2e/test_ray.py``.
+``PYTHONPATH=$PWD/src:$PWD/testbed VLLM_CPU_KVCACHE_SPACE=1 $PY -m pytest -m e2e tests/e2e/test_ray.py``.
 
 One battery, one process (``python tests/e2e/test_ray.py --out r.json --dir D``; CPU vLLM
 spawns its workers, so the generator runs under ``__main__``): a tiny llama; three shards
@@ -191,10 +191,10 @@ def run(out_json: Path, work: Path, only: str | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import speculators_compat  # noqa: F401
     from speculators_compat import dataparallel
-    from speculators_compat.testing import tiny_models
+    from speculators_compat_testbed import tiny_models
     from speculators_compat.versions import installed_versions
 
-    from speculators_compat.testing.provenance import provenance
+    from speculators_compat_testbed.provenance import provenance
 
     prov = provenance()
     model = str(tiny_models.build_tiny_model("llama"))

@@ -32,7 +32,7 @@ def readme_snippet() -> str:
 
 
 def test_readme_snippet_needs_only_the_runtime_wheel():
-    """The test bed (speculators_compat.testing) ships in another distribution: not for users."""
+    """The test bed (speculators_compat_testbed) ships in another distribution: not for users."""
     import ast
 
     names = set()
@@ -41,7 +41,7 @@ def test_readme_snippet_needs_only_the_runtime_wheel():
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             names.add(node.module or "")
-    assert not any(n.startswith("speculators_compat.testing") for n in names), names
+    assert not any(n.startswith("speculators_compat_testbed") for n in names), names
     assert {n.split(".")[0] for n in names} <= RUNTIME, names
 
 
@@ -50,7 +50,7 @@ def test_readme_snippet_runs_as_written(tmp_path):
     script.write_text(readme_snippet())
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from speculators_compat.testing import build_tiny_model
+    from speculators_compat_testbed import build_tiny_model
 
     model = build_tiny_model("llama")  # the snippet takes the user's model path
     proc = subprocess.run([sys.executable, str(script), str(model)], cwd=tmp_path, env=env, capture_output=True,

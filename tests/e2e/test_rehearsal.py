@@ -48,6 +48,7 @@ def test_mistral_without_engine_options_fails_loudly(tmp_path):
     rc, r, err = _check(tmp_path, "mistral-7b-v0.1", patches="-engine-options")
     assert rc == 2, (r, err)
     assert r["verdict"] == "fail" and r["failure"]["message"], r
+    assert str(r["failure"]["where"]).startswith("captured rows vs"), r  # the rows differ, not a crash
     assert "engine-options" not in r["patches"]
 
 

@@ -134,7 +134,7 @@ def _row_errors(a, b):
 def test_every_row_of_every_file_matches_hf(files):
     import torch
 
-    from speculators_compat.testing.reference import hf_layer_outputs, load_hf_model
+    from speculators_compat_testbed.reference import hf_layer_outputs, load_hf_model
 
     dtype = files[0]["hidden_states"][0].dtype
     assert dtype == torch.bfloat16, dtype  # CPU vLLM computes the float32 checkpoint in bf16 ("auto")

@@ -38,7 +38,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def corrupt_model(tmp_path_factory):
-    from speculators_compat.testing import build_tiny_model
+    from speculators_compat_testbed import build_tiny_model
 
     src = build_tiny_model("llama")
     dst = tmp_path_factory.mktemp("corrupt") / "llama-corrupt"

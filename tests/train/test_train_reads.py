@@ -74,7 +74,7 @@ def test_speculators_dataset_reads_every_file(files):
 def test_a_few_training_steps_give_a_finite_falling_loss(train, files):
     import torch
     from speculators.model import SpeculatorModel
-    from speculators_compat.testing.tiny_models import build_tiny_model
+    from speculators_compat_testbed.tiny_models import build_tiny_model
 
     torch.manual_seed(0)
     verifier = str(build_tiny_model("llama"))  # the same tiny Llama the data was extracted from

@@ -129,7 +129,7 @@ def test_report_json_with_an_invalid_user_matrix_exits_3(tmp_path):
 
 def test_demo_uses_the_e2e_runners_own_options():
     """The demo builds its run from the runner's parser (no hand-kept copy of its options)."""
-    from speculators_compat.testing import e2e_runner
+    from speculators_compat_testbed import e2e_runner
 
     ns = e2e_runner.build_parser().parse_args(["--arch", "qwen3"])
     assert ns.arch == "qwen3" and ns.overrides is None and ns.unpatched is False

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculators_compat.testing import tiny_models as tm
+from speculators_compat_testbed import tiny_models as tm
 
 QC = tm.KIMI_K25_W4A16_QUANTIZATION_CONFIG
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from speculators_compat.testing import llama4_scaling as L
+from speculators_compat_testbed import llama4_scaling as L
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +48,7 @@ def test_config_value(tmp_path):
 
 
 def test_runner_reference_option():
-    from speculators_compat.testing import e2e_runner
+    from speculators_compat_testbed import e2e_runner
 
     parser = e2e_runner.build_parser()
     assert parser.parse_args([]).reference == "hf"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators_compat.testing import provenance as prov
+from speculators_compat_testbed import provenance as prov
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def head_copy(tmp_path):
     if not (ROOT / ".git").exists():
         pytest.fail("the unit tests run in a git checkout (provenance is bound to commits)")
     out = tmp_path / "copy"
-    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "src", "pyproject.toml",
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "src", "testbed", "pyproject.toml",
                             "compat_matrix.yaml"], capture_output=True, text=True, check=True).stdout.split("\0")
     for f in filter(None, files):
         if (ROOT / f).is_file():
@@ -60,9 +60,9 @@ def test_tree_id_from_files_equals_git(head_copy, tmp_path):
 
 
 def _provenance_in(copy: Path) -> dict:
-    code = "import json; from speculators_compat.testing.provenance import provenance; print(json.dumps(provenance('t')))"
+    code = "import json; from speculators_compat_testbed.provenance import provenance; print(json.dumps(provenance('t')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy / "src")}, cwd=copy)
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{copy / 'src'}:{copy / 'testbed'}"}, cwd=copy)
     return json.loads(out.stdout)
 
 
@@ -71,11 +71,19 @@ def test_copy_without_git_binds_to_the_stamped_commit_and_notices_a_change(head_
     # no stamp: never bound to a commit
     p = _provenance_in(head_copy)
     assert p["commit"] is None and p["src_tree"] is None and ".checkout.json" in p["reason"]
+    bed = prov.tree_id(head_copy / "testbed")
     (head_copy / prov.STAMP).write_text(json.dumps({
-        "commit": _git("rev-parse", "HEAD"), "src_tree": want,
+        "commit": _git("rev-parse", "HEAD"), "src_tree": want, "testbed_tree": bed,
         "matrix_sha256": None}))
     p = _provenance_in(head_copy)
     assert p["dirty"] is False and p["src_tree"] == want and p["src_tree_from"] == "files", p
+    assert p["testbed_tree"] == bed, p
+    # the copy's test bed ran (not the checkout's through an editable install)
+    judge = head_copy / "testbed" / "speculators_compat_testbed" / "shrink.py"
+    judge.write_text(judge.read_text() + "\n# edited on the device\n")
+    p = _provenance_in(head_copy)
+    assert p["dirty"] is True and p["src_tree"] == want and any("testbed/" in d for d in p["dirty_files"]), p
+    judge.write_text(judge.read_text().replace("\n# edited on the device\n", ""))
     target = head_copy / "src" / "speculators_compat" / "settings.py"
     target.write_text(target.read_text() + "\n# edited on the device\n")
     p = _provenance_in(head_copy)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators_compat.testing import rehearsal, shrink
+from speculators_compat_testbed import rehearsal, shrink
 
 pytestmark = pytest.mark.unit
 

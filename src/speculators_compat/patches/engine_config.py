@@ -4,7 +4,9 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
 - ``SchedulerConfig`` gained a required ``is_encoder_decoder`` (0.11.1+; speculators 0.3.0 does
   not pass it, 0.4.x does, which 0.11.0 rejects) and turns ``async_scheduling`` on by default
   for hand-built configs (0.14+). The adapter passes ``is_encoder_decoder=False`` where the
-  field exists, drops it where it does not. ``SchedulerConfig.async_scheduling`` has one owner,
+  field exists, drops it where it does not. ``SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS`` sets the
+  per-step token budget, which speculators 0.3.0 fixes at ``max(8192, max_model_len)`` (where set it
+  also wins over 0.4.x's ``max_num_batched_tokens`` argument). ``SchedulerConfig.async_scheduling`` has one owner,
   this patch: ``async_scheduling_wanted`` below is the only decision and this module the only
   writer. It is off when the config is built (vLLM would otherwise turn it on by default, and
   the executor that decides it is not known yet); ``async-scheduling`` (execution.py, which
@@ -18,7 +20,10 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
   cache. Where vLLM resolves the block size itself (a ``None`` default: the platform and its
   attention backend choose; CPU attention wants multiples of 32 from 0.32), the adapter drops
   speculators' hard-coded 16 and lets vLLM choose, like vLLM's own engine.
-Both adapters wrap the names in the generator's module namespace: vLLM itself is untouched.
+- ``ModelConfig(dtype="auto")`` is hard-coded: ``engine-dtype`` passes
+  ``SPECULATORS_COMPAT_DTYPE`` instead where it is set (e.g. float32 to verify rows, bfloat16 on a
+  CPU that refuses float16); unset, speculators' call is unchanged.
+The adapters wrap the names in the generator's module namespace: vLLM itself is untouched.
 """
 
 from __future__ import annotations
@@ -54,7 +59,30 @@ def _scheduler_config_args(wrapped, instance, args, kwargs):
         kwargs.pop("is_encoder_decoder", None)
     if "async_scheduling" in params:
         kwargs.setdefault("async_scheduling", False)  # settled when the executor is built (above)
+    budget = settings.number_set("SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS")
+    if budget != int(budget) or budget < 0:
+        raise settings.SettingError(f"SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS={budget:g}: expected a whole "
+                                    "number of tokens (0: speculators' choice)")
+    if budget:
+        budget = int(budget)
+        kwargs["max_num_batched_tokens"] = budget
     return wrapped(*args, **kwargs)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # what vLLM's ModelConfig reads
+
+
+def _model_config_dtype(wrapped, instance, args, kwargs):
+    dtype = settings.text("SPECULATORS_COMPAT_DTYPE")
+    if dtype:
+        if dtype not in DTYPES:
+            raise settings.SettingError(f"SPECULATORS_COMPAT_DTYPE={dtype!r}: expected one of {', '.join(DTYPES)}")
+        kwargs["dtype"] = dtype
+    return wrapped(*args, **kwargs)
+
+
+def _probe_model_config(current):
+    return require_params(import_attr("vllm.config", "ModelConfig"), ("model", "dtype"), "vllm.config.ModelConfig")
 
 
 def _probe_scheduler_config(current):
@@ -95,6 +123,14 @@ PATCHES = [
         "SchedulerConfig",
         _scheduler_config_args,
         _probe_scheduler_config,
+    ),
+    wrapper_patch(
+        "engine-dtype",
+        "config",
+        GENERATOR,
+        "ModelConfig",
+        _model_config_dtype,
+        _probe_model_config,
     ),
     wrapper_patch(
         "cache-config-args",

@@ -8,8 +8,6 @@ settings. Two things need them (versions: compat_matrix.yaml):
   off by ~4 max-abs beyond position 0, silently). On the CPU platform the patch disables that
   custom op (``compilation_config.custom_ops += ["-rotary_embedding"]``), so vLLM uses its
   native PyTorch implementation, which matches HF to ~1e-5. Other platforms are untouched.
-- On accelerators, workers are started with ``spawn`` (``VLLM_WORKER_MULTIPROC_METHOD``, unless
-  the user set it): a forked worker dies if the caller touched CUDA before (see the code).
 - ``SPECULATORS_COMPAT_ATTENTION_BACKEND`` (e.g. ``TRITON_ATTN``) selects the attention backend
   through ``VllmConfig.attention_config`` where that field exists — needed where a build lacks
   the default backend (e.g. a GPU install without FlashAttention).
@@ -52,7 +50,6 @@ reports "not needed" where ``forward_cpu`` does not reach ``forward_cuda``, wher
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from ..registry import NotNeeded, wrapper_patch
@@ -138,13 +135,6 @@ def _vllm_config_options(wrapped, instance, args, kwargs):
     _set_engine_sliding_window(kwargs)
     if on_cpu():
         _set_cpu_attention_block_size(kwargs)
-    if not on_cpu():
-        # The generator starts its workers itself (MultiprocExecutor); vLLM forks them unless
-        # it sees CUDA initialised at that moment — but a caller that only asked
-        # torch.cuda.is_available() has touched the driver without that flag, and every worker
-        # then dies with "Cannot re-initialize CUDA in forked subprocess" (measured on an
-        # H200, vLLM 0.24). vLLM's own engine runs its workers from a fresh process; spawn here.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if on_cpu():
         from vllm.config import CompilationConfig
 

@@ -28,6 +28,10 @@ asked for):
   each keeping its own stage's layers (what vLLM's engine core does). The probe checks that
   ``__init__`` really looks ``MultiprocExecutor`` up by name and that ``Executor.get_class`` binds
   ``(vllm_config)``.
+- ``executor-class`` also starts the workers with ``spawn`` on accelerators while ``__init__``
+  runs (``VLLM_WORKER_MULTIPROC_METHOD``, unless the user set it; put back after): see
+  ``_spawn_workers_on_accelerators``. Left out (``-executor-class``), vLLM's own choice stands;
+  generators built concurrently in threads share the process environment (not supported).
 - Which Ray executor: vLLM's own choice. From 0.32 that is ``RayExecutorV2`` by default
   (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1``), a ``MultiprocExecutor`` whose workers are Ray actors:
   the same ordered message queues (shared memory on the driver's node, TCP elsewhere), so the
@@ -48,6 +52,7 @@ Default (nothing set): ``MultiprocExecutor``, exactly as speculators builds it.
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 import types
 
@@ -242,11 +247,30 @@ def build_executor(vllm_config):
     return cls(vllm_config=vllm_config)
 
 
+SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def _spawn_workers_on_accelerators():
+    """While the generator is built, its workers start with ``spawn`` on accelerators (unless the
+    user chose a method): vLLM forks them unless it sees CUDA initialised, but a caller that only
+    asked ``torch.cuda.is_available()`` has touched the driver without that flag, and every forked
+    worker dies ("Cannot re-initialize CUDA in forked subprocess"; H200, vLLM 0.24). vLLM's own
+    engine starts its workers from a fresh process. Returns the undo (the variable as it was)."""
+    from .engine_options import on_cpu
+
+    if SPAWN_ENV in os.environ or on_cpu():
+        return lambda: None
+    os.environ[SPAWN_ENV] = "spawn"
+    return lambda: os.environ.pop(SPAWN_ENV, None)
+
+
 def _generator_init(wrapped, instance, args, kwargs):
     token = CONSTRUCTING.set(instance)
+    undo_spawn = _spawn_workers_on_accelerators()
     try:
         return _init(wrapped, instance, args, kwargs)
     finally:
+        undo_spawn()
         CONSTRUCTING.reset(token)
 
 

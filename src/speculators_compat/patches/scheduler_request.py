@@ -20,6 +20,12 @@ What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
   does the engine's copy on every version (where the groups already agree it changes nothing),
   before resolving the sizes, so speculators' block hasher (built from
   ``cache_config.block_size`` after the scheduler) uses the same size.
+- The scheduler gets the KV-cache config as vLLM's engine core gives it:
+  ``generate_scheduler_kv_cache_config([config])`` (0.11+), which replaces a group of
+  ``UniformTypeKVCacheSpecs`` (layers of one attention type with different shapes: Gemma 3 on
+  CUDA, whose sliding layers keep another block stride) by one of its specs. The scheduler has
+  no manager for ``UniformTypeKVCacheSpecs`` ("No manager registered"); the workers keep the
+  full config, as in the engine. Where the function is absent the config passes as it is.
 Both adapters wrap the names in the generator's module namespace only. Every vLLM call they
 make is declared in ``calls=`` (registry.Call) and bound by ``speculators-compat check``.
 """
@@ -40,6 +46,24 @@ SCHEDULER_FORMS = (
 BLOCK_SIZE_CALLS = (
     Call("vllm.v1.core.kv_cache_utils", "resolve_kv_cache_block_sizes", args=("kv_cache_config", "vllm_config"), optional=True),
 )
+# the engine core's view of the KV-cache config for its scheduler (a list: one config per worker)
+SCHEDULER_VIEW_FORMS = (
+    Call("vllm.v1.core.kv_cache_utils", "generate_scheduler_kv_cache_config", args=("kv_cache_configs",), optional=True),
+    Call("vllm.v1.core.kv_cache_planning", "generate_scheduler_kv_cache_config", args=("kv_cache_configs",), optional=True),
+)
+
+
+def scheduler_kv_cache_config(kv_cache_config):
+    """The config vLLM's engine core hands its scheduler: ``generate_scheduler_kv_cache_config``
+    of the workers' configs where vLLM has it (a copy; uniform-type groups become one spec),
+    else the config itself."""
+    for form in SCHEDULER_VIEW_FORMS if kv_cache_config is not None else ():
+        try:
+            view = import_attr(form.module, form.attr)
+        except (ImportError, AttributeError):
+            continue
+        return view([kv_cache_config])
+    return kv_cache_config
 
 
 def block_size_from_groups(vllm_config, kv_cache_config) -> int | None:
@@ -77,6 +101,7 @@ def _scheduler_args(wrapped, instance, args, kwargs):
     form, problem = first_binding(SCHEDULER_FORMS, wrapped)
     if form is None:
         raise TypeError(f"speculators_compat: no known call of Scheduler binds: {problem}")
+    kwargs["kv_cache_config"] = scheduler_kv_cache_config(kwargs["kv_cache_config"])
     block, hashed = scheduler_block_sizes(kwargs["vllm_config"], kwargs["kv_cache_config"])
     kwargs.pop("block_size", None)
     kwargs.pop("hash_block_size", None)
@@ -133,7 +158,7 @@ def _probe_request(current):
 PATCHES = [
     wrapper_patch(
         "scheduler-args", "scheduler-request", GENERATOR, "Scheduler", _scheduler_args, _probe_scheduler,
-        calls=(SCHEDULER_FORMS,) + BLOCK_SIZE_CALLS,
+        calls=(SCHEDULER_FORMS, SCHEDULER_VIEW_FORMS) + BLOCK_SIZE_CALLS,
     ),
     wrapper_patch(
         "request-args", "scheduler-request", GENERATOR, "Request", _request_args, _probe_request,

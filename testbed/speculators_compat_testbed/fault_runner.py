@@ -1,6 +1,6 @@
 """Fault injection on the real generator: bad input, and a vLLM worker killed or stuck mid-``generate``.
 
-    python -m speculators_compat.testing.fault_runner --out result.json [--fault kill|stop] [--timeout 60]
+    python -m speculators_compat_testbed.fault_runner --out result.json [--fault kill|stop] [--timeout 60]
 
 Builds the tiny Llama, starts speculators' ``VllmHiddenStatesGenerator`` on the installed vLLM,
 runs one good call, then bad inputs (each must be a one-line ValueError, and the next good call
@@ -126,7 +126,7 @@ def run_recover(args) -> dict:
 
     import speculators_compat
     from speculators_compat.extraction.errors import ExtractionError
-    from speculators_compat.testing import tiny_models
+    from speculators_compat_testbed import tiny_models
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["SPECULATORS_COMPAT_RPC_TIMEOUT"] = str(args.timeout)
@@ -277,7 +277,7 @@ def run(args) -> dict:
     os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(int(args.timeout))
     sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[args.fault]
     import speculators_compat
-    from speculators_compat.testing import tiny_models
+    from speculators_compat_testbed import tiny_models
 
     for key, value in tiny_models.vllm_env("llama", "cpu").items():
         os.environ.setdefault(key, value)
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
         help="SIGKILL (dead) or SIGSTOP (stuck) the workers; recover: the battery of faults the generator must survive",
     )
     args = p.parse_args(argv)
-    from speculators_compat.testing.provenance import provenance, scrub_paths
+    from speculators_compat_testbed.provenance import provenance, scrub_paths
 
     prov = provenance()
     result = run(args)

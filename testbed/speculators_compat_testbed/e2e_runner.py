@@ -2,7 +2,7 @@
 
 Run as a script (CPU vLLM spawns its workers, so this needs its own ``__main__``)::
 
-    python -m speculators_compat.testing.e2e_runner --arch llama --out result.json [--unpatched]
+    python -m speculators_compat_testbed.e2e_runner --arch llama --out result.json [--unpatched]
 
 It builds a tiny model, constructs ``VllmHiddenStatesGenerator`` (whatever speculators release
 is installed) and runs a battery:
@@ -51,42 +51,38 @@ def _sequences(lengths, rng, vocab, bos=1):
     return [[bos] + [rng.randrange(4, vocab) for _ in range(n - 1)] for n in lengths]
 
 
-def _force_engine_dtype(dtype: str) -> None:
-    """Make the generator's engine compute in ``dtype``.
+def _shim_active() -> bool:
+    import speculators_compat
 
-    speculators builds ``ModelConfig(dtype="auto")`` itself, and vLLM's "auto" downcasts a
-    float32 checkpoint to the platform's preferred dtype (bf16 on CPU). For mixture-of-experts
-    models bf16 is not a usable reference: near-tied router scores pick different experts in
-    two correct implementations (tiny_models.MOE_ARCHITECTURES; HF bf16 vs HF fp32 alone differs
-    by up to ~18% on some tokens), so a decisive check of the capture runs them in float32.
-    Test-harness only: wraps the ``ModelConfig`` name speculators' module calls.
-    """
+    return bool(speculators_compat.get_registry().active)
+
+
+def _engine_setting(setting: str, keyword: str, name: str, value) -> str:
+    """Give the generator's engine ``keyword=value``: through the shim's ``setting`` (its patch of
+    ``name`` in speculators' module reads it); with the shim disabled (a native control run),
+    by wrapping ``name`` there (nothing else owns it then). Returns how."""
+    os.environ[setting] = str(value)
+    if _shim_active():
+        return setting
     from speculators.data_generation import vllm_hidden_states_generator as gen
 
-    original = gen.ModelConfig
+    original = getattr(gen, name)
 
-    def model_config(*args, **kwargs):
-        kwargs["dtype"] = dtype
+    def with_value(*args, **kwargs):
+        kwargs[keyword] = value
         return original(*args, **kwargs)
 
-    gen.ModelConfig = model_config
+    setattr(gen, name, with_value)
+    return f"harness: {name}({keyword}=) in the generator's module (shim disabled)"
 
 
-def _force_max_num_batched_tokens(n: int) -> None:
-    """Give the generator's scheduler a token budget of ``n`` per step where its constructor has no
-    ``max_num_batched_tokens`` parameter (speculators 0.3.0: always ``max(8192, max_model_len)``),
-    so sequences longer than ``n`` are prefilled in chunks over several steps. Test-harness only:
-    wraps the ``SchedulerConfig`` name speculators' module calls (as ``_force_engine_dtype`` does
-    for ``ModelConfig``), on top of whatever the shim put there."""
-    from speculators.data_generation import vllm_hidden_states_generator as gen
-
-    original = gen.SchedulerConfig
-
-    def scheduler_config(*args, **kwargs):
-        kwargs["max_num_batched_tokens"] = n
-        return original(*args, **kwargs)
-
-    gen.SchedulerConfig = scheduler_config
+def _force_engine_dtype(dtype: str) -> str:
+    """Make the generator's engine compute in ``dtype`` (speculators builds
+    ``ModelConfig(dtype="auto")``; vLLM's "auto" downcasts a float32 checkpoint to bf16 on CPU).
+    For mixture-of-experts models bf16 is no reference: near-tied router scores pick different
+    experts in two correct implementations (HF bf16 vs HF fp32 alone: up to ~18% on some tokens),
+    so a decisive check of the capture runs in float32."""
+    return _engine_setting("SPECULATORS_COMPAT_DTYPE", "dtype", "ModelConfig", dtype)
 
 
 def _platform() -> str:
@@ -98,13 +94,13 @@ def _platform() -> str:
 def run(args, progress=None) -> dict:
     say = progress or (lambda msg: None)
     if args.unpatched:
-        # `python -m speculators_compat.testing...` has imported (and activated) the package
+        # `python -m speculators_compat_testbed...` has imported (and activated) the package
         # already: deactivate here, and disable it for the workers through the environment.
         os.environ["SPECULATORS_COMPAT_DISABLE"] = "1"
         import speculators_compat
 
         speculators_compat.deactivate()
-    from speculators_compat.testing import tiny_models
+    from speculators_compat_testbed import tiny_models
 
     platform = _platform() if args.platform == "auto" else args.platform
     for key, value in tiny_models.vllm_env(args.arch, platform).items():
@@ -118,12 +114,11 @@ def run(args, progress=None) -> dict:
         # bf16 is no reference for MoE: near-tied router scores pick different experts in two
         # correct implementations (HF bf16 vs HF fp32 alone: up to 18%; benchmarks/results/arch)
         engine_dtype = "float32"
-    if engine_dtype != "auto":
-        _force_engine_dtype(engine_dtype)
+    engine_dtype_via = _force_engine_dtype(engine_dtype) if engine_dtype != "auto" else None
 
     from speculators_compat.versions import installed_versions
 
-    from speculators_compat.testing.provenance import portable_path, provenance
+    from speculators_compat_testbed.provenance import portable_path, provenance
 
     versions = {k: v.version for k, v in installed_versions().items()}
     result: dict = {
@@ -133,6 +128,7 @@ def run(args, progress=None) -> dict:
         "versions": versions,
         "unpatched": bool(args.unpatched),
         "engine_dtype": engine_dtype,
+        "engine_dtype_via": engine_dtype_via,
         "cases": {},
     }
     overrides = json.loads(args.overrides) if args.overrides else None
@@ -172,13 +168,21 @@ def run(args, progress=None) -> dict:
                 kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
                 result["max_num_batched_tokens_via"] = "generator parameter"
             else:  # speculators 0.3.0
-                _force_max_num_batched_tokens(args.max_num_batched_tokens)
-                result["max_num_batched_tokens_via"] = "harness: SchedulerConfig(max_num_batched_tokens=) in the generator's module"
+                result["max_num_batched_tokens_via"] = _engine_setting(
+                    "SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", "SchedulerConfig",
+                    args.max_num_batched_tokens)
         if args.tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         result["tensor_parallel_size"] = args.tensor_parallel_size
         generator = VllmHiddenStatesGenerator(str(model_dir), **kwargs)
         result["init_s"] = time.perf_counter() - t0
+        model_dtype = str(getattr(getattr(generator.vllm_config, "model_config", None), "dtype", "")).replace("torch.", "")
+        if engine_dtype != "auto" and model_dtype != engine_dtype:
+            raise RuntimeError(f"expected the generator's engine in {engine_dtype}; found {model_dtype}")
+        budget = getattr(generator.vllm_config.scheduler_config, "max_num_batched_tokens", None)
+        if args.max_num_batched_tokens is not None and budget != args.max_num_batched_tokens:
+            raise RuntimeError(f"expected the generator's engine to take {args.max_num_batched_tokens} tokens per "
+                               f"step; found {budget}")
         cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
         result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
         rng = random.Random(args.seed)
@@ -220,8 +224,8 @@ def run(args, progress=None) -> dict:
 
     import torch
 
-    from speculators_compat.testing import llama4_scaling
-    from speculators_compat.testing.reference import compare, hf_layer_outputs, load_hf_model
+    from speculators_compat_testbed import llama4_scaling
+    from speculators_compat_testbed.reference import compare, hf_layer_outputs, load_hf_model
 
     say("computing the HF transformers reference (forward hooks on the decoder layers)")
     captured_dtype = outputs["mixed"][0]["hidden_states"][0].dtype
@@ -269,7 +273,7 @@ def run(args, progress=None) -> dict:
     if "hf" in references and captured_dtype in (torch.bfloat16, torch.float16):
         say("computing HF's own float32 forward (each bf16 row's bound follows HF's bf16-vs-fp32 spread)")
         hf32 = load_hf_model(hf_dir, dtype=torch.float32, device=device)
-        from speculators_compat.testing.reference import row_errors
+        from speculators_compat_testbed.reference import row_errors
 
         spreads["hf"] = {}
         for n, seqs in seqs_by_case.items():
@@ -391,7 +395,7 @@ def run(args, progress=None) -> dict:
     result["passed"] = all(result["cases"][n]["passed"] for n in ("mixed", "chunked", "truncated")) and result["cases"][
         "repeat"
     ]["identical"]
-    from speculators_compat.testing.provenance import machine
+    from speculators_compat_testbed.provenance import machine
 
     result["provenance"]["machine"] = machine()  # the GPU is known once the reference ran on it
     return result
@@ -403,7 +407,7 @@ def _finite(v):
 
 
 def reference_tolerance(dtype) -> float:
-    from speculators_compat.testing.reference import TOLERANCE, _dtype_name
+    from speculators_compat_testbed.reference import TOLERANCE, _dtype_name
 
     return TOLERANCE[_dtype_name(dtype)]
 
@@ -416,7 +420,7 @@ def _control_report(captured, reference, seqs, l4s, dtype) -> dict:
     must agree; every later token must differ."""
     import torch
 
-    from speculators_compat.testing.reference import _row_errors, compare
+    from speculators_compat_testbed.reference import _row_errors, compare
 
     tol = reference_tolerance(dtype)
     rep = compare(captured, reference, dtype=dtype)
@@ -451,7 +455,7 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
 
     import torch
 
-    from speculators_compat.testing import tiny_models
+    from speculators_compat_testbed import tiny_models
 
     spec = {
         "model_dir": str(model_dir),
@@ -473,7 +477,7 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         torch.save(spec, src)
         env = dict(os.environ, SPECULATORS_COMPAT_DISABLE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         proc = subprocess.run(
-            [sys.executable, "-m", "speculators_compat.testing.vllm_reference", src, dst],
+            [sys.executable, "-m", "speculators_compat_testbed.vllm_reference", src, dst],
             env=env, capture_output=True, text=True, timeout=args.reference_timeout,
         )
         if proc.returncode != 0 or not os.path.exists(dst):
@@ -541,7 +545,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     result = run(args)
-    from speculators_compat.testing.provenance import scrub_paths
+    from speculators_compat_testbed.provenance import scrub_paths
 
     text = json.dumps(scrub_paths(json.loads(json.dumps(result, default=str))), indent=2)
     if args.out:  # whole or not at all: a run killed mid-write leaves the previous result

@@ -136,7 +136,7 @@ def load_hf_model(model_dir: str | Path, dtype: Any = "float32", device: str = "
     kwargs: dict[str, Any] = {"attn_implementation": "eager"}
     from packaging.version import Version
 
-    from ..versions import normalize
+    from speculators_compat.versions import normalize
 
     if normalize(transformers.__version__) >= Version("4.56"):
         kwargs["dtype"] = td

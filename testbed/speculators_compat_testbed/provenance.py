@@ -1,11 +1,12 @@
 """Which code produced a result: the provenance block every result JSON carries.
 
-``provenance()`` describes the checkout whose ``src/`` this very package was imported from
-(the code that ran), not the current directory::
+``provenance()`` describes the checkout whose ``src/`` the runtime package ``speculators_compat``
+was imported from (the code that ran), not the current directory::
 
     {"commit":        "<HEAD commit of that checkout>",
-     "dirty":         true/false,   # src/ or compat_matrix.yaml differ from that commit
-     "src_tree":      "<git rev-parse <commit>:src>",  # the tree hash of src/ at that commit
+     "dirty":         true/false,   # src/, testbed/ or compat_matrix.yaml differ from that commit
+     "src_tree":      "<git rev-parse <commit>:src>",  # the runtime's tree hash at that commit
+     "testbed_tree":  "<git rev-parse <commit>:testbed>",  # the test bed's (judges, does not run)
      "matrix_sha256": "<sha256 of the compat_matrix.yaml the package reads>",
      "date_utc":      "2026-12-01T03:04:05Z",
      "command":       "python -m ... (relative paths only)",
@@ -14,14 +15,16 @@
 
 ``scripts/update_tested.py`` counts a result only when ``dirty`` is false, and calls it
 ``verified`` only while its ``src_tree`` equals ``git rev-parse HEAD:src`` (any change under
-src/ makes older results stale; commits that touch only results or docs do not).
+src/ makes older results stale; commits that touch only the test bed, results or docs do not:
+the test bed's tree is recorded beside it).
 
 Outside a git checkout (an installed wheel, git missing) ``commit``/``dirty``/``src_tree`` are
 ``null`` and ``reason`` says why; such a result never counts as verified. One exception: a copy of
 the checkout without ``.git`` (the GPU machine gets the work tree only) that carries
-``.checkout.json`` (written by ``python -m speculators_compat.testing.provenance --stamp`` before
-the copy: the commit and its src tree). There the tree hash of the files under ``src/`` is computed
-as git would (``src_tree_from: "files"``) and ``dirty`` is whether it differs from the stamp's.
+``.checkout.json`` (written by ``python -m speculators_compat_testbed.provenance --stamp`` before
+the copy: the commit, its src and testbed trees). There the tree hashes of the files under ``src/``
+and ``testbed/`` are computed as git would (``src_tree_from: "files"``) and ``dirty`` is whether
+either differs from the stamp's.
 
 Machine paths are kept out: the command's arguments under the checkout are made relative to it,
 other absolute paths are reduced to their last component.
@@ -47,7 +50,14 @@ __all__ = ["provenance", "repo_root", "portable_command", "portable_path", "scru
 MACHINE_ROOTS = ("work", "root", "home", "tmp", "scratch")
 _ABS = re.compile(r"(?:(?<![\w.~-])|(?<=\\[ntr]))/(?:" + "|".join(MACHINE_ROOTS) + r")(?:/[^\s'\"(),:;\]\[<>|`\\]*)?")
 
-_PACKAGE = Path(__file__).resolve().parent.parent  # .../src/speculators_compat
+def _runtime_package() -> Path:
+    import speculators_compat
+
+    return Path(speculators_compat.__file__).resolve().parent
+
+
+_PACKAGE = _runtime_package()  # .../src/speculators_compat: the runtime code that runs
+_TESTBED = Path(__file__).resolve().parent  # .../testbed/speculators_compat_testbed
 
 
 def repo_root() -> Path | None:
@@ -109,7 +119,7 @@ def portable_command(argv: list[str] | None = None, root: Path | None = None) ->
     return " ".join(shlex.quote(x) for x in out)
 
 
-_CHECKOUT_DIRS = ("/src/speculators_compat", "/benchmarks/", "/scripts/", "/tests/", "/compat_matrix.yaml")
+_CHECKOUT_DIRS = ("/src/speculators_compat", "/testbed/speculators_compat_testbed", "/benchmarks/", "/scripts/", "/tests/", "/compat_matrix.yaml")
 
 
 def _scrub_one(match: re.Match, root: Path | None) -> str:
@@ -149,9 +159,13 @@ def scrub_paths(obj, root: Path | None = None):
 def _module_name(argv0: str) -> str | None:
     """``-m pkg.mod`` runs show the module's file as argv[0]; name it as a module again."""
     p = Path(argv0)
-    try:
-        rel = p.resolve().relative_to(_PACKAGE.parent)
-    except (ValueError, OSError):
+    for top in (_PACKAGE.parent, _TESTBED.parent):
+        try:
+            rel = p.resolve().relative_to(top)
+            break
+        except (ValueError, OSError):
+            continue
+    else:
         return None
     if rel.suffix != ".py":
         return None
@@ -175,6 +189,7 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
         "commit": None,
         "dirty": None,
         "src_tree": None,
+        "testbed_tree": None,
         "matrix_sha256": hashlib.sha256(matrix.read_bytes()).hexdigest() if matrix else None,
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": cmd,
@@ -189,8 +204,9 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
     try:
         commit = _git(root, "rev-parse", "HEAD").strip()
         src_tree = _git(root, "rev-parse", f"{commit}:src").strip()
-        paths = ["src"] + (["compat_matrix.yaml"] if (root / "compat_matrix.yaml").exists() else [])
-        # tracked changes (staged or not) and untracked, non-ignored files under src/
+        testbed_tree = _testbed_tree(root, commit)
+        paths = ["src"] + [p for p in ("testbed", "compat_matrix.yaml") if (root / p).exists()]
+        # tracked changes (staged or not) and untracked, non-ignored files under src/ and testbed/
         changed = [ln[3:] for ln in _git(root, "status", "--porcelain", "--untracked-files=all", "--", *paths).splitlines() if ln.strip()]
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         out["reason"] = f"no git information for the checkout: {type(exc).__name__}: {exc}"
@@ -198,16 +214,25 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
     own = root / "compat_matrix.yaml"
     if matrix is not None and own.is_file() and matrix.read_bytes() != own.read_bytes():
         changed.append(f"matrix in use is not the checkout's compat_matrix.yaml ({matrix.name})")
-    out.update(commit=commit, dirty=bool(changed), src_tree=src_tree)
+    out.update(commit=commit, dirty=bool(changed), src_tree=src_tree, testbed_tree=testbed_tree)
     if changed:
         out["dirty_files"] = changed[:20]
     return out
 
 
+def _testbed_tree(root: Path, commit: str) -> str | None:
+    """``git rev-parse <commit>:testbed``; None where the commit has no testbed/ (its files, if
+    any, then show as untracked: dirty)."""
+    try:
+        return _git(root, "rev-parse", f"{commit}:testbed").strip()
+    except RuntimeError:
+        return None
+
+
 def machine() -> dict:
     """The CPU (model name, the flags that pick vLLM's CPU kernels) and the GPU, if torch has one
     initialised in this process (nothing is imported or initialised for this)."""
-    from ..patches.cpu_attention import cpu_flags
+    from speculators_compat.patches.cpu_attention import cpu_flags
 
     model = None
     try:
@@ -281,12 +306,15 @@ def _from_files(root: Path, out: dict, matrix: Path | None) -> dict:
         return out
     have = tree_id(root / "src")
     changed = [] if have == want else [f"src/ tree from files {have[:12]} != {want[:12]} recorded for {commit[:12]}"]
+    bed = tree_id(root / "testbed") if (root / "testbed").is_dir() else None
+    if recorded.get("testbed_tree") and bed != recorded["testbed_tree"]:
+        changed.append(f"testbed/ tree from files {str(bed)[:12]} != {recorded['testbed_tree'][:12]} recorded for {commit[:12]}")
     own = root / "compat_matrix.yaml"
     if recorded.get("matrix_sha256") and own.is_file() and hashlib.sha256(own.read_bytes()).hexdigest() != recorded["matrix_sha256"]:
         changed.append("compat_matrix.yaml differs from the stamped commit's")
     if matrix is not None and own.is_file() and matrix.read_bytes() != own.read_bytes():
         changed.append(f"matrix in use is not the checkout's compat_matrix.yaml ({matrix.name})")
-    out.update(commit=commit, dirty=bool(changed), src_tree=have, src_tree_from="files")
+    out.update(commit=commit, dirty=bool(changed), src_tree=have, testbed_tree=bed, src_tree_from="files")
     if changed:
         out["dirty_files"] = changed
     return out
@@ -304,14 +332,14 @@ def stamp(root: Path | None = None) -> Path:
     if info.get("dirty") or not info.get("commit"):
         raise RuntimeError(f"refusing to stamp: {info.get('dirty_files') or info.get('reason')}")
     own = root / "compat_matrix.yaml"
-    data = {"commit": info["commit"], "src_tree": info["src_tree"],
+    data = {"commit": info["commit"], "src_tree": info["src_tree"], "testbed_tree": info.get("testbed_tree"),
             "matrix_sha256": hashlib.sha256(own.read_bytes()).hexdigest() if own.is_file() else None}
     path = root / STAMP
     path.write_text(json.dumps(data) + "\n")
     return path
 
 
-if __name__ == "__main__":  # python -m speculators_compat.testing.provenance [--stamp]
+if __name__ == "__main__":  # python -m speculators_compat_testbed.provenance [--stamp]
     import json
 
     if "--stamp" in sys.argv[1:]:

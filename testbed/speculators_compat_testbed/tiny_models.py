@@ -1031,7 +1031,7 @@ def hf_reference_dir(model_dir: str | Path) -> Path:
 def _transformers_major() -> int:
     import transformers
 
-    from ..versions import normalize
+    from speculators_compat.versions import normalize
 
     return normalize(transformers.__version__).major
 
@@ -1236,7 +1236,7 @@ def vllm_unsupported_reason(
     (None = no known problem; see the measured table above)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}")
-    from ..versions import normalize
+    from speculators_compat.versions import normalize
 
     ver = normalize(vllm_version)
     for min_ok, dtypes, reason in _VLLM_DTYPE_LIMITS.get((arch, _platform(platform)), []):

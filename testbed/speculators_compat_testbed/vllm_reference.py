@@ -13,7 +13,7 @@ calls the layers without the argument computes; the negative control).
 
 Run as a subprocess (vLLM spawns its engine; the caller's process has the shim active)::
 
-    python -m speculators_compat.testing.vllm_reference IN.pt OUT.pt
+    python -m speculators_compat_testbed.vllm_reference IN.pt OUT.pt
 
 ``IN.pt``: ``{"model_dir", "arch", "dtype", "max_model_len", "layer_ids", "batches": {name:
 [[ids]]}, "variants": [...], "engine_kwargs": {...}}``; ``OUT.pt``: ``{"variants": {variant:
@@ -64,7 +64,7 @@ def _router_spec(layer, config):
 
 
 def _setup(model, layer_ids):
-    from speculators_compat.testing.reference import router_logits
+    from speculators_compat_testbed.reference import router_logits
 
     inner = _inner(model)
     state = {"rows": {i: [] for i in layer_ids}, "handles": [], "logits": {}, "routers": {}}
@@ -154,7 +154,7 @@ def run(spec: dict) -> dict:
     routers = info.get("routers") or {}
     out["routers"] = {i: {k: v for k, v in r.items() if k != "bias"} for i, r in routers.items()}
     out["margins"] = {}  # router top-k margins of the "own" forward: {case: [{layer: [len]}]}
-    from speculators_compat.testing.reference import router_margins
+    from speculators_compat_testbed.reference import router_margins
 
     for variant in spec["variants"]:
         llm.apply_model(functools.partial(_set_scaling, value=None if variant == "llama_4_scaling_off" else original))
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     spec = torch.load(src, weights_only=False)
     # Run from the importable module, not __main__: the worker functions sent through
     # apply_model must pickle by reference (vLLM 0.32's shm broadcast uses plain pickle).
-    from speculators_compat.testing import vllm_reference
+    from speculators_compat_testbed import vllm_reference
 
     result = vllm_reference.run(spec)
     torch.save(result, dst)

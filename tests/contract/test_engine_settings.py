@@ -1,0 +1,64 @@
+"""SPECULATORS_COMPAT_DTYPE and SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS reach the generator's own
+hand-built VllmConfig (speculators hard-codes dtype "auto" and, in 0.3.0, the token budget)."""
+
+import importlib
+
+import pytest
+import torch
+
+import speculators_compat
+from speculators_compat.patches._signatures import GENERATOR
+
+
+def _config(monkeypatch, **env):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    from speculators_compat_testbed import build_tiny_model
+
+    gen = importlib.import_module(GENERATOR)
+    owner = object.__new__(gen.VllmHiddenStatesGenerator)
+    return gen.VllmHiddenStatesGenerator._create_vllm_config(owner, str(build_tiny_model("llama")), 2048, 0.5, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_dtype_setting_reaches_the_engine(monkeypatch, dtype):
+    cfg = _config(monkeypatch, SPECULATORS_COMPAT_DTYPE=dtype)
+    assert speculators_compat.get_registry().is_applied("engine-dtype")
+    assert cfg.model_config.dtype == getattr(torch, dtype)
+
+
+def test_unset_leaves_speculators_auto(monkeypatch):
+    """Control: the tiny model is float32; "auto" on CPU gives what vLLM picks (not always float32),
+    and the same value as with the patch reverted."""
+    monkeypatch.delenv("SPECULATORS_COMPAT_DTYPE", raising=False)
+    with_patch = _config(monkeypatch).model_config.dtype
+    reg = speculators_compat.get_registry()
+    reg.revert("engine-dtype")
+    try:
+        without = _config(monkeypatch).model_config.dtype
+    finally:
+        reg.retry("engine-dtype")
+    assert with_patch == without
+
+
+def test_the_token_budget_reaches_the_scheduler(monkeypatch):
+    cfg = _config(monkeypatch, SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS="512")
+    assert cfg.scheduler_config.max_num_batched_tokens == 512
+    assert _config(monkeypatch, SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS="0").scheduler_config.max_num_batched_tokens >= 2048
+
+
+def test_a_bad_budget_is_one_line(monkeypatch):
+    from speculators_compat.settings import SettingError
+
+    with pytest.raises(SettingError, match="SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS='many'") as info:
+        _config(monkeypatch, SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS="many")
+    assert "\n" not in str(info.value)
+
+
+def test_a_bad_dtype_is_one_line(monkeypatch):
+    from speculators_compat.settings import SettingError
+
+    with pytest.raises(SettingError, match="SPECULATORS_COMPAT_DTYPE='fp32': expected one of") as info:
+        _config(monkeypatch, SPECULATORS_COMPAT_DTYPE="fp32")
+    assert "\n" not in str(info.value)
