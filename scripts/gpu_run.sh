@@ -77,7 +77,7 @@ if [[ " $STEPS " == *" e2e "* ]]; then
 fi
 if [[ " $STEPS " == *" rehearse "* ]]; then
   echo "== check --model on the released configs (tests/data/released_configs), speculators 0.4.0.1"
-  VV=$(PYTHONPATH=$SITE python3 -c 'import vllm; print(vllm.__version__)')
+  VV=$(PYTHONPATH=$SITE python3 -c 'from importlib.metadata import version; print(version("vllm"))')
   DENSE_ONLY=${REHEARSE_DENSE-gemma-3-1b-it,llama-3.1-8b-instruct,mistral-7b-v0.1,qwen3-8b}
   MOE_ONLY=${REHEARSE_MOE:-}
   MLA_ONLY=${REHEARSE_MLA:-}
