@@ -65,6 +65,10 @@ cell() {  # speculators-version arch [extra runner args]
 }
 t0=$(date +%s)
 PYTHONPATH=$SITE python3 -c 'import vllm, speculators_compat; print("vllm", vllm.__version__)'
+# vLLM's workers activate the shim through the vllm.general_plugins entry point of an INSTALLED
+# speculators_compat (its code still comes from the checkout's src/, first on PYTHONPATH): without
+# its dist-info in the site a spawned worker runs speculators unpatched (transformers 5: NameError 'torch')
+ls -d "$SITE"/speculators_compat-*.dist-info >/dev/null 2>&1 || { echo "site lacks speculators_compat's wheel (entry point): pip install --target $SITE <its wheel>"; exit 6; }
 # preflight: the modules speculators' generator imports (a bundle missing a wheel, e.g. llguidance,
 # whose annotation vllm.v1.request evaluates, fails every cell at import: stop here instead)
 PYTHONPATH=$SITE python3 -c 'import vllm.v1.request, vllm.v1.core.kv_cache_utils' || { echo "bundle incomplete: vLLM's engine modules do not import"; exit 5; }
