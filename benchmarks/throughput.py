@@ -171,6 +171,12 @@ def main() -> int:
         help="also time the same generator class capturing one layer (the last requested): the capture cost "
         "control (a second engine: on a GPU lower --gpu-util / BENCH_GPU_UTIL to fit both)",
     )
+    p.add_argument(
+        "--self-check-control",
+        action="store_true",
+        help="also time the same generator with its self-check off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0 for "
+        "those calls): shim / shim_nocheck is what the self-check costs (no second engine)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -281,6 +287,13 @@ def main() -> int:
         if platform == "cuda":
             _device_reset(gen, llm, xllm)
         shim_s, native_s, extract_s, shim1_s, phases, orders = [], [], [], [], [], []
+        nocheck_s: list[float] = []
+        if args.self_check_control:  # its warm-up, apart like the others
+            os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = "0"
+            t = time.perf_counter()
+            gen.generate(prompts)
+            warmup_s["shim_nocheck"] = time.perf_counter() - t
+            del os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"]
 
         def run_shim():
             t = time.perf_counter()
@@ -294,6 +307,16 @@ def main() -> int:
             res = gen1.generate(prompts)
             shim1_s.append(time.perf_counter() - t)
             assert len(res) == len(prompts) and len(res[0]["hidden_states"]) == 1
+
+        def run_nocheck():
+            os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = "0"
+            try:
+                t = time.perf_counter()
+                res = gen.generate(prompts)
+                nocheck_s.append(time.perf_counter() - t)
+            finally:
+                del os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"]
+            assert len(res) == len(prompts) and res[0]["hidden_states"][0].shape[0] == plen
 
         def run_native():
             t = time.perf_counter()
@@ -310,6 +333,7 @@ def main() -> int:
         sides += [("native", run_native)] if llm is not None else []
         sides += [("vllm_extract", run_extract)] if xllm is not None else []
         sides += [("shim_1layer", run_shim1)] if gen1 is not None else []
+        sides += [("shim_nocheck", run_nocheck)] if args.self_check_control else []
         for r in range(args.reps):
             k = r % len(sides)
             order = sides[k:] + sides[:k]  # rotate: each side leads in turn
@@ -353,6 +377,15 @@ def main() -> int:
             if native_s:
                 # shim/native = (shim_1layer/native: driver vs LLM front end) x (shim/shim_1layer: capture)
                 row["driver_vs_native_median"] = statistics.median(n / s1 for s1, n in zip(shim1_s, native_s))
+        if nocheck_s:
+            row["shim_nocheck_tok_s"] = [tokens / s for s in nocheck_s]
+            row["shim_nocheck_median_tok_s"] = tokens / statistics.median(nocheck_s)
+            cost = [a / b for a, b in zip(shim_s, nocheck_s)]  # time with the self-check / without
+            row["self_check_cost_median"] = statistics.median(cost)  # > 1: what the self-check costs
+            row["self_check_cost_min"] = min(cost)
+            row["self_check_cost_max"] = max(cost)
+            row["self_check_cost_median_ci95"] = median_ci95(cost)
+            row["self_check_tally"] = getattr(gen, "_speculators_compat_self_check", None)
         if extract_s:
             row["vllm_extract_tok_s"] = [tokens / s for s in extract_s]
             row["vllm_extract_median_tok_s"] = tokens / statistics.median(extract_s)

@@ -11,7 +11,7 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
-# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -192,6 +192,12 @@ if [[ " $STEPS " == *" job "* ]]; then
     --script-timeout 150 --out "$OUT/job_throughput_h200.json" > "$OUT/job_throughput_h200.log" 2>&1; echo "job rc=$?"
   for f in "$SCRATCH"/job/*.script.log; do [ -f "$f" ] && cp "$f" "$OUT/job_$(basename "$f" .script.log)_script.log"; done
   rm -rf "$SCRATCH/job"
+fi
+if [[ " $STEPS " == *" selfcheck "* ]]; then
+  echo "== the self-check's cost at an 8B-like shape (hidden 4096 x 32 layers, 4 captured): same generator, check on vs off, alternating"
+  SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/throughput.py --hidden 4096 --layers 32 \
+    --capture 2,16,29,31 --batch ${SELFCHECK_BATCH:-64} --prompt-len ${SELFCHECK_LENS:-128 512} --reps ${SELFCHECK_REPS:-11} --max-model-len 2048 --no-native --self-check-control \
+    --gpu-util 0.5 --out "$OUT/throughput_h200_selfcheck.json" > "$OUT/throughput_h200_selfcheck.log" 2>&1; echo "selfcheck bench rc=$?"
 fi
 if [[ " $STEPS " == *" capture "* ]]; then
   echo "== capture cost at a wider shape (hidden 4096 x 8 layers, intermediate 8192): 3 layers vs the 1-layer control, shim only"

@@ -70,6 +70,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("SPECULATORS_COMPAT_SELF_CHECK_EVERY", "number", 64.0,
                 "speculators' script under `run`: sample 0 joins every Nth batch again and its rows must "
                 "match its first capture (the run stops if not; 0: off)", minimum=-1),
+        Setting("SPECULATORS_COMPAT_SELF_CHECK_ROWS", "number", 16.0,
+                "rows per sampled step that every generate() call checks against the engine's own token ids, "
+                "positions, layer outputs and final norm (a mismatch fails the call; 0: off)", minimum=-1),
         Setting("SPECULATORS_COMPAT_DTYPE", "text", None,
                 "the generator engine's dtype (`float32`, `bfloat16`, `float16`; default: speculators' `auto`)"),
         Setting("SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "number", 0.0,

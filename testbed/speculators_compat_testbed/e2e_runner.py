@@ -203,6 +203,7 @@ def run(args, progress=None) -> dict:
         outputs["repeat"] = generator.generate(batches["mixed"])
         timings = getattr(generator, "_speculators_compat_timings", None) or {}
         result["driver"] = timings.get("driver")
+        result["self_check"] = getattr(generator, "_speculators_compat_self_check", None)
     except BaseException as exc:  # noqa: BLE001 - the failure is the result
         result["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
         result["init_s"] = result.get("init_s")

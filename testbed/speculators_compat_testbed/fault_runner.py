@@ -118,6 +118,39 @@ def _arm_step_error(worker):
     return True
 
 
+PLANTED = ("batch_order", "_copy_rows", "on_layer_output")
+
+
+def _arm_plant(worker, mode):
+    """Worker side: plant a wrong answer the written-rows check cannot see, until disarmed.
+    ``order``: the step's requests in reverse order (rows go to another sequence of the same
+    length); ``shift``: every captured row is the next token's; ``no_residual``: the layers'
+    hidden states without the residual (another stream)."""
+    import torch
+
+    from speculators_compat.layers import LayerAdapter
+
+    state = worker._speculators_compat_capture
+    cls = type(state)
+    if mode == "order":
+        state.batch_order = lambda: list(reversed(cls.batch_order(state)))
+    elif mode == "shift":
+        state._copy_rows = lambda slot, stream: cls._copy_rows(state, slot, torch.roll(stream, -1, 0))
+    elif mode == "no_residual":
+        state.on_layer_output = lambda lid, adapter, module, output: cls.on_layer_output(
+            state, lid, LayerAdapter("planted", lambda o: o[0], adapter.required), module, output)
+    else:
+        raise ValueError(f"unknown plant {mode!r}")
+    return True
+
+
+def _disarm_plant(worker):
+    state = worker._speculators_compat_capture
+    for name in PLANTED:
+        state.__dict__.pop(name, None)
+    return True
+
+
 def run_recover(args) -> dict:
     """Faults the generator must survive on ONE engine: after each, the next call gives states
     identical to a clean call (or, where it cannot, a one-line error on every later call)."""
@@ -260,6 +293,36 @@ def run_recover(args) -> dict:
             raise ExtractionError(f"concurrent calls: {outs}")
 
     case("two_threads", two_threads)
+
+    # 7. the self-check: wrong answers planted in the worker, which the written-rows check cannot
+    #    see, fail the call (SelfCheckFailed); with the self-check off the same plant returns wrong
+    #    rows silently (the control: the plant really is wrong, and the check is what catches it)
+    same_len = [[(11 * i + 3 * j) % 900 + 4 for j in range(64)] for i in range(6)]
+    clean_same = gen.generate(same_len)
+    result["self_check_before_plants"] = dict(getattr(gen, "_speculators_compat_self_check", None) or {})
+
+    def planted(mode, rows=None):
+        def action():
+            old = os.environ.get("SPECULATORS_COMPAT_SELF_CHECK_ROWS")
+            if rows is not None:
+                os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = str(rows)
+            gen.executor.collective_rpc(_arm_plant, args=(mode,))
+            try:
+                got = gen.generate(same_len)
+                result.setdefault("planted_returned_identical", {})[f"{mode}/{rows}"] = _same(got, clean_same)
+            finally:
+                gen.executor.collective_rpc(_disarm_plant)
+                if rows is not None:
+                    if old is None:
+                        os.environ.pop("SPECULATORS_COMPAT_SELF_CHECK_ROWS", None)
+                    else:
+                        os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = old
+        return action
+
+    for mode in ("order", "shift", "no_residual"):
+        case(f"planted_{mode}", planted(mode))
+        case(f"planted_{mode}_check_off", planted(mode, rows=0))
+    result["self_check"] = getattr(gen, "_speculators_compat_self_check", None)
     result["patches"] = [r["id"] for r in speculators_compat.report() if r["status"] == "applied"]
     try:
         gen.executor.shutdown()

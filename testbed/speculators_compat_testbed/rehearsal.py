@@ -349,7 +349,7 @@ def _judge(cell: dict) -> dict:
     applied = {p["id"] for p in (cell.get("patches") or []) + worker if isinstance(p, dict) and p.get("status") == "applied"}
     out: dict = {"patches": sorted(applied),
                  "versions": cell.get("versions"), "engine_init_s": cell.get("init_s"),
-                 "captured_dtype": cell.get("dtype")}
+                 "captured_dtype": cell.get("dtype"), "self_check": cell.get("self_check")}
     if cell.get("error"):
         e = cell["error"]
         out["verdict"] = "fail"
@@ -382,6 +382,12 @@ def render(r: dict) -> str:
         lines.append("  versions  " + ", ".join(f"{k} {v}" for k, v in sorted(r["versions"].items()) if v))
     patches = r.get("patches")
     lines.append("  patches   " + ("unknown (the engine process gave no result)" if patches is None else ", ".join(patches) or "-"))
+    sc = r.get("self_check")
+    if sc:
+        final = f"final norm max error {sc['final_max_rel_error']:.2g}" if sc.get("final_rows") else "final norm not checked"
+        lines.append(f"  self-check {sc.get('rows', 0)} rows of {sc['calls']} calls match the engine's token ids, "
+                     f"positions and layer rows; {final}"
+                     + (f"; not covered: {', '.join(sc['not_covered'])}" if sc.get("not_covered") else ""))
     for name, c in (r.get("cases") or {}).items():
         if name == "repeat":
             lines.append(f"  repeat    {'bit-identical' if c.get('identical') else 'DIFFERS'}")

@@ -56,7 +56,7 @@ def run_call(tmp_path, hidden: int, steps=STEPS):
                 expected[rid][slot][done:done + n] = stream[src:src + n]
                 src += n
             state._copy_rows(slot, stream)
-    counts = state.finish()
+    counts = state.finish()["written"]
     got = {rid: [torch.frombuffer(pool.lease_view(placements[(rid, k)], n * row_bytes), dtype=torch.bfloat16).view(n, hidden)
                  for k in range(len(LAYERS))] for rid, n in LENGTHS.items()}
     return expected, got, counts, copies_per_step, placements

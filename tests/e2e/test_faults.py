@@ -103,3 +103,15 @@ def test_generator_survives_faults(tmp_path):
     assert full["type"] == "ExchangeError" and "\n" not in full["message"], full
     assert "cannot reserve" in full["message"] and "SPECULATORS_COMPAT_SHM_DIR" in full["message"], full
     assert cases["two_threads"]["error"] is None and r["two_threads"] == {"a": True, "b": True}, r["two_threads"]
+    # the self-check: each planted wrong answer fails its call, naming what the engine computed
+    expect = {"order": "another sequence's token", "shift": "differ from what the layer computed",
+              "no_residual": "final-norm output"}
+    for mode, words in expect.items():
+        err = cases[f"planted_{mode}"]["error"]
+        assert err and err["type"] == "SelfCheckFailed" and words in err["message"], (mode, err)
+        # control: with the check off the same plant returns wrong rows and no error
+        assert cases[f"planted_{mode}_check_off"]["error"] is None, cases[f"planted_{mode}_check_off"]
+        assert r["planted_returned_identical"][f"{mode}/0"] is False, (mode, r["planted_returned_identical"])
+    tally = r["self_check_before_plants"]
+    assert tally["verdict"] == "pass" and tally["final_rows"] > 0 and tally["tokens_checked"] > 0, tally
+    assert tally["copies_checked"] > 0 and tally["positions_checked"] > 0 and not tally["not_covered"], tally

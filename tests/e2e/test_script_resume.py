@@ -110,7 +110,12 @@ def reference(setup):
     assert r["rc"] == 0, r["log"][-4000:]
     assert sorted(contents(out)) == sorted(f"data_{i}.pt" for i in range(ROWS))
     checks = output.Manifest.read(out).self_checks
-    assert [c["batch"] for c in checks] == [2, 5] and all(c["verdict"] == "pass" for c in checks), checks
+    canary = [c for c in checks if c.get("kind") != "engine"]
+    engine = [c for c in checks if c.get("kind") == "engine"]
+    assert [c["batch"] for c in canary] == [2, 5] and all(c["verdict"] == "pass" for c in canary), checks
+    # the engine self-check of every call, its tally beside the data
+    assert len(engine) == 1 and engine[0]["verdict"] == "pass" and engine[0]["calls"] == 7, engine
+    assert engine[0]["tokens_checked"] > 0 and engine[0]["final_rows"] > 0 and not engine[0]["not_covered"], engine
     print(f"\nself-check of the uninterrupted run: {checks}")
     return out
 
@@ -258,14 +263,15 @@ _capture.CaptureState.compute_spans = compute_spans
 
 
 def test_the_self_check_stops_a_run_whose_rows_are_misplaced(setup, reference, tmp_path):
-    """Sample 0 is first in batch 0 (rows right) and last when it joins batch 2 again (rows one
-    early): the run must stop there in one line, the manifest saying so and ``verify`` refusing it."""
+    """The canary alone (the engine self-check off): sample 0 is first in batch 0 (rows right) and
+    last when it joins batch 2 again (rows one early): the run must stop there in one line, the
+    manifest saying so and ``verify`` refusing it."""
     plant = tmp_path / "plant"
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(PLANT)
     out = setup["work"] / "planted"
     path = os.pathsep.join(p for p in (str(plant), os.environ.get("PYTHONPATH", "")) if p)
-    r = run(setup, out, extra_env={"PYTHONPATH": path})
+    r = run(setup, out, extra_env={"PYTHONPATH": path, "SPECULATORS_COMPAT_SELF_CHECK_ROWS": "0"})
     assert r["rc"] != 0, r["log"][-3000:]
     lines = [ln for ln in r["log"].splitlines() if "speculators-compat self-check failed" in ln]
     assert lines and "sample 0, captured again in batch 2" in lines[0], r["log"][-3000:]
@@ -278,3 +284,23 @@ def test_the_self_check_stops_a_run_whose_rows_are_misplaced(setup, reference, t
     assert contents(out)["data_1.pt"] != contents(reference)["data_1.pt"]
     assert contents(out)["data_0.pt"] == contents(reference)["data_0.pt"]  # first in its step: untouched
     print(f"\nplanted misplacement: {lines[0][:300]}")
+
+
+def test_the_engine_self_check_stops_the_same_misplacement_in_its_first_batch(setup, tmp_path):
+    """The same planted layout with the engine self-check on (the default): batch 0 already holds a
+    row computed for another token, so the run stops there, the manifest and ``verify`` saying so."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANT)
+    out = setup["work"] / "planted-engine"
+    path = os.pathsep.join(p for p in (str(plant), os.environ.get("PYTHONPATH", "")) if p)
+    r = run(setup, out, extra_env={"PYTHONPATH": path})
+    assert r["rc"] != 0, r["log"][-3000:]
+    lines = [ln for ln in r["log"].splitlines() if "speculators-compat self-check failed" in ln]
+    assert lines and "another sequence's token" in lines[0], r["log"][-3000:]
+    checks = output.Manifest.read(out).self_checks
+    assert [(c.get("kind"), c["verdict"], c["batch"]) for c in checks] == [("engine", "fail", 0)], checks
+    assert recorded(out) == 0, "a file of the failed batch was recorded"
+    _summary, defects = output.verify(out)
+    assert any(d.kind == "self-check" for d in defects), [str(d) for d in defects]
+    print(f"\nplanted misplacement, engine self-check: {lines[0][:300]}")

@@ -9,7 +9,8 @@ in them. Before each forward the driver sends the step's placement; the forward 
 chosen layers' rows to their final place (a side CUDA stream on GPUs) and count them. ``finish``
 waits for the copies and returns, per sequence and layer, the rows written *in this call*: the
 driver checks them against the lengths, so rows a worker did not write this call (a lost span, a
-recycled segment) are an error, never stale data.
+recycled segment) are an error, never stale data. A sample of each call's rows is checked
+against the engine's own computation (``selfcheck``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import stat
 
 from .protocol import Begin
+from .selfcheck import RowCheck
 
 
 class ChunkMismatch(RuntimeError):
@@ -77,6 +79,12 @@ class CaptureState:
         self.pinned = False
         self.legacy_step = {}
         self.checked = set()
+        self.row_check = RowCheck(0)  # this call's self-check samples (selfcheck)
+        self.sample = None  # this step's sample, or None
+        self.final_norm = None  # the model's final norm where this stage runs it and captures the last layer
+        self.final_slot = None
+        self.not_covered: list[str] = []  # what the self-check cannot see on this worker, and why
+        self.in_check = False
 
     # -- row placement ----------------------------------------------------------------
     def batch_order(self) -> list[str]:
@@ -109,18 +117,41 @@ class CaptureState:
         return spans
 
     # -- the hook -----------------------------------------------------------------------
+    def in_step(self) -> bool:
+        """True inside one of the driver's steps; this step's spans, copies and sample made once."""
+        if self.buffers is None or self.step is None or self.in_check:
+            return False  # vLLM's warm-up or a forward outside the driver's steps: nothing placed
+        if self.spans is None:
+            self.spans = self.compute_spans()
+            self.copies = self.merge_copies(self.spans)
+            self.sample = self.row_check.pick(self.spans)
+        return True
+
+    def on_input_ids(self, ids):
+        if self.in_step() and self.sample is not None and getattr(ids, "dim", lambda: 0)() == 1:
+            self.sample.ids = self.sample.rows(ids)
+
+    def on_positions(self, positions):
+        if self.in_step() and self.sample is not None and self.sample.pos is None and hasattr(positions, "dim"):
+            # M-RoPE positions are [3, tokens]: a text token's three are equal
+            self.sample.pos = self.sample.rows(positions[0] if positions.dim() == 2 else positions)
+
+    def on_final_norm(self, output):
+        if self.in_step() and self.sample is not None:
+            self.sample.final = self.sample.rows(output[0] if isinstance(output, tuple) else output)
+
     def on_layer_output(self, layer_id, adapter, module, output):
         if layer_id not in self.checked:
             adapter.check_output(type(module), output)
             self.checked.add(layer_id)
         stream = adapter.residual_stream(output)
         if self.buffers is not None:
-            if self.step is None:
-                return  # a forward outside the driver's steps (none expected): nothing placed
-            if self.spans is None:
-                self.spans = self.compute_spans()
-                self.copies = self.merge_copies(self.spans)
-            self._copy_rows(self.slot[layer_id], stream)
+            if not self.in_step():
+                return
+            slot = self.slot[layer_id]
+            if self.sample is not None:
+                self.sample.layers[slot] = self.sample.rows(stream)
+            self._copy_rows(slot, stream)
         else:
             self.legacy_step[layer_id] = stream.clone()
             if len(self.legacy_step) == len(self.layer_ids):
@@ -214,12 +245,14 @@ class CaptureState:
             written[req_id] = [0] * b.layers
         self.buffers, self.written, self.places, self.lengths, self.pinned = buffers, written, places, lengths, pinned
         self.layout = (dtype, b.hidden, row_bytes)
+        self.row_check = RowCheck(b.check_rows)
         return {"rank_captures": True, "pinned": self.pinned, "chunks": len(self.chunks)}
 
     def set_step(self, step):
         self.step = step
         self.spans = None
         self.copies = None
+        self.sample = None
         self.expected_rows = sum(n for n, _ in step.values())
 
     def wait_copies(self):
@@ -227,16 +260,26 @@ class CaptureState:
             self.copy_stream.synchronize()
 
     def finish(self):
-        """Wait for this call's copies; {req_id: [rows written per layer]} (None: rank does not capture)."""
+        """Wait for this call's copies; {"written": {req_id: [rows written per layer]}, "check":
+        the self-check's report} (None: this rank does not capture)."""
         import torch
 
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         elif torch.cuda.is_available():
             torch.cuda.synchronize()
-        counts = self.written if self.capture else None
+        if not self.capture:
+            self.end()
+            return None
+        try:
+            self.in_check = True
+            check = self.row_check.report(self.buffers, self.slot, self.final_norm, self.final_slot)
+        finally:
+            self.in_check = False
+        check["not_covered"] = list(self.not_covered) if self.row_check.rows else ["off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0)"]
+        result = {"written": self.written, "check": check}
         self.end()
-        return counts
+        return result
 
     def abort(self):
         """Drop the call after a failure: no forward may write into its (released) memory."""
@@ -252,6 +295,8 @@ class CaptureState:
         self.spans = None
         self.copies = None
         self.pinned = False
+        self.sample = None
+        self.row_check = RowCheck(0)
 
 
 def _host_register(tensor) -> bool:

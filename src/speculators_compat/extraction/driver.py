@@ -15,7 +15,9 @@ What a call guarantees:
   queues re-synchronised (``protocol.fence``), so the next call works; where that is not
   possible (a worker died, it did not answer within the bound) every later call says so in one
   line (``GeneratorUnusable``) instead of returning anything.
-Phase timings of the last call are left on the generator (``_speculators_compat_timings``).
+A sample of each call's rows is checked against the engine's own computation (``selfcheck``;
+the tally is left on the generator, ``_speculators_compat_self_check``). Phase timings of the
+last call are left on the generator (``_speculators_compat_timings``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 
 from .. import settings
 from ..exchange import ExchangePool
-from . import inputs, protocol, steps
+from . import inputs, protocol, selfcheck, steps
 from .errors import ExtractionError, GeneratorUnusable, context, describe_exception, fail, worker_health
 
 GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
@@ -35,6 +37,7 @@ POOL_ATTR = "_speculators_compat_pool"
 TIMINGS_ATTR = "_speculators_compat_timings"
 LOCK_ATTR = "_speculators_compat_lock"
 BROKEN_ATTR = "_speculators_compat_unusable"
+CHECK_ATTR = "_speculators_compat_self_check"  # the self-check's tally over the generator's calls
 
 _lock_guard = threading.Lock()
 
@@ -127,6 +130,7 @@ def _generate(self, token_ids):
         hidden=hidden,
         dtype=str(dtype).replace("torch.", ""),
         pin=settings.flag("SPECULATORS_COMPAT_PIN"),
+        check_rows=int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_ROWS")),
     )
     handed = set()
     try:
@@ -139,10 +143,13 @@ def _generate(self, token_ids):
         computed, iterations = steps.drive(self.executor, self.scheduler, req_ids, timings, depth, rpc_timeout())
         timings["steps"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        counts = _merge_counts(rpc(self.executor, protocol.FINISH))
+        finished = [r for r in rpc(self.executor, protocol.FINISH) if r]
+        counts = _merge_counts([r["written"] for r in finished])
         timings["finish"] = time.perf_counter() - mark
         log.debug(f"Extraction took {iterations} scheduler iterations in {timings['steps']:.3f}s")
         _verify(req_ids, lengths, computed, counts, nlayers)
+        checked = selfcheck.judge([r["check"] for r in finished], dict(zip(req_ids, seqs)), layer_ids)
+        _tally(self, checked)
         results = []
         for i, rid in enumerate(req_ids):
             n = lengths[rid]
@@ -164,6 +171,20 @@ def _generate(self, token_ids):
     timings["iterations"] = iterations
     setattr(self, TIMINGS_ATTR, timings)
     return results
+
+
+def _tally(self, checked: dict) -> None:
+    """Add one call's self-check to the generator's tally (``CHECK_ATTR``)."""
+    tally = getattr(self, CHECK_ATTR, None) or {"calls": 0, "verdict": "pass"}
+    tally["calls"] += 1
+    for key, value in checked.items():
+        if key == "final_max_rel_error":
+            tally[key] = max(tally.get(key, 0.0), value)
+        elif key == "not_covered":
+            tally[key] = sorted(set(tally.get(key, [])) | set(value))
+        else:
+            tally[key] = tally.get(key, 0) + value
+    setattr(self, CHECK_ATTR, tally)
 
 
 def _merge_counts(per_rank) -> dict:

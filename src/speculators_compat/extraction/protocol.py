@@ -15,7 +15,7 @@ reads the workers' queues until that RPC's reply, discarding everything queued b
 Ops:
     begin(Begin) -> {"rank_captures", "pinned", "chunks"}   map new exchange chunks, place sequences
     step({req_id: (tokens, computed_before)}) -> None       the next forward's row placement
-    finish() -> {req_id: [rows written per layer]}          wait for copies; counts of this call
+    finish() -> {"written": {req_id: [rows per layer]}, "check": {...}}   wait for copies; counts, self-check
     abort() -> None                                         drop the call's placement (after a failure)
     describe() -> {...}                                     runner, layers, worker-side patch report
     fence() -> None                                         nothing: its reply marks the queue position
@@ -70,6 +70,7 @@ class Begin:
     hidden: int = 0
     dtype: str = "bfloat16"
     pin: bool = True
+    check_rows: int = 0  # self-check: rows sampled per sampled step (0: off)
 
 
 def ok(seq, value=None) -> dict:

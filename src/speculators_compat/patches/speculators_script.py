@@ -235,6 +235,8 @@ def _data_config(script: dict, args, generator, num_samples: int, folder: Path) 
 
 def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     from .. import get_registry, output, settings
+    from ..extraction.driver import CHECK_ATTR
+    from ..extraction.selfcheck import SelfCheckFailed
 
     log = script.get("log") or _log
     folder = Path(args.output_dir)
@@ -326,7 +328,12 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
         for s in progress:
             batch = dataset[s:min(s + bs, n)]
             extra = canary.joins(s // bs)  # by batch number alone: a resumed batch is the batch it was
-            results = generator.generate(list(batch["input_ids"]) + extra)
+            try:
+                results = generator.generate(list(batch["input_ids"]) + extra)
+            except SelfCheckFailed as exc:
+                manifest.append({"self_check": {"kind": "engine", "batch": s // bs, "verdict": "fail",
+                                                "problem": str(exc).splitlines()[0]}})
+                raise
             results, again = (results[:-1], results[-1]) if extra else (results, None)
             for j, result in enumerate(results):
                 index = first + s + j
@@ -345,6 +352,14 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     if canary.checks:
         log.info(f"speculators_compat self-check: sample {first} captured again in {canary.checks} batch(es), "
                  f"largest row error {canary.worst:.3g} (limit {output.CANARY_TOLERANCE})")
+    engine = getattr(generator, CHECK_ATTR, None)
+    if engine:
+        manifest.append({"self_check": dict(engine, kind="engine", batch="all",
+                                            max_rel_error=engine.get("final_max_rel_error", 0.0))})
+        log.info(f"speculators_compat self-check: {engine.get('rows', 0)} sampled rows of {engine['calls']} call(s) "
+                 f"match the engine's own token ids, positions and layer outputs"
+                 + (f"; final norm largest error {engine['final_max_rel_error']:.3g}" if engine.get("final_rows") else "")
+                 + (f"; not covered: {', '.join(engine['not_covered'])}" if engine.get("not_covered") else ""))
     if writes_lengths:
         _write_lengths(folder, manifest, fsync)
     output.atomic_write_bytes(folder / output.CONFIG, json.dumps(config, indent=2).encode(), fsync)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..extraction import protocol
+from ..extraction import protocol, selfcheck
 from ..extraction.capture import CaptureState
 from ..extraction.protocol import RPC_NAME
 from ..layers import adapter_for, find_decoder_stack
@@ -148,6 +148,7 @@ def setup_hidden_states_capture(self, layer_ids):
             if start <= lid < end:
                 layer = layers[lid]
                 state.handles.append(layer.register_forward_hook(_make_hook(state, lid, adapters[type(layer)])))
+        _hook_self_check(state, base, layers, start, end)
     setattr(self, STATE_ATTR, state)
     logger.info(
         "speculators_compat: capture on layers %s of %s (%s runner, adapters %s, rank captures: %s)",
@@ -157,6 +158,38 @@ def setup_hidden_states_capture(self, layer_ids):
         sorted({a.name for a in adapters.values()}),
         state.capture,
     )
+
+
+def _hook_self_check(state, base, layers, start, end) -> None:
+    """What the self-check reads of the engine's own computation (``extraction.selfcheck``): the
+    token ids the embedding receives, the positions the stage's first layer receives, and the
+    final norm's output where this stage captures the last layer."""
+    embedding = selfcheck.embedding_of(base) if start == 0 else None
+    if embedding is not None:
+        hook = embedding.register_forward_pre_hook(lambda m, args: state.on_input_ids(args[0]) if args else None)
+        state.handles.append(hook)
+    else:
+        state.not_covered.append("token ids (no embedding on this stage)")
+    first = layers[start] if start < end else None
+    at = selfcheck.positions_index(type(first)) if first is not None else None
+    if first is not None and at is not None:
+
+        def positions_hook(module, args, kwargs):
+            state.on_positions(kwargs["positions"] if "positions" in kwargs else args[at] if len(args) > at else None)
+
+        state.handles.append(first.register_forward_pre_hook(positions_hook, with_kwargs=True))
+    else:
+        state.not_covered.append("positions (the first layer's forward takes no positions)")
+    last = len(layers) - 1
+    if last not in state.layer_ids:
+        state.not_covered.append(f"final norm (layer {last} not captured)")
+        return
+    norm, why = selfcheck.final_norm_of(base, len(layers), end)
+    if norm is None:
+        state.not_covered.append(f"final norm ({why})")
+        return
+    state.final_norm, state.final_slot = norm, state.slot[last]
+    state.handles.append(norm.register_forward_hook(lambda m, args, output: state.on_final_norm(output)))
 
 
 def _make_hook(state, layer_id, adapter):
@@ -196,6 +229,7 @@ def compat_rpc(self, seq, op, *args):
                     "pid": os.getpid(),
                     "layers": state.layer_ids,
                     "captures": state.capture,
+                    "self_check_not_covered": state.not_covered,
                     # the worker's own view of the engine config (the async-scheduling patch)
                     "async_scheduling": getattr(
                         getattr(getattr(self, "vllm_config", None), "scheduler_config", None), "async_scheduling", None

@@ -1,0 +1,184 @@
+"""Every call checks a sample of its rows against what the engine itself computed there.
+
+Per sampled step the worker keeps, on the device, for the first and last row of a few sequences:
+the token ids the engine embedded and the positions it gave the layers (the driver compares them
+with the sequence and row it placed the row at), each captured layer's row as computed (the rows
+in the exchange must be bit-identical after ``finish``), and the model's final-norm output (the
+captured last layer, normed by the model's own final norm, must give it). Any mismatch fails the
+call (``SelfCheckFailed``); ``SPECULATORS_COMPAT_SELF_CHECK_ROWS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .errors import ExtractionError, context
+
+__all__ = ["SelfCheckFailed", "RowCheck", "judge", "final_norm_of", "positions_index", "tolerance"]
+
+FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "ln_f")
+EMBEDDINGS = ("embed_tokens", "embedding", "wte")
+
+
+class SelfCheckFailed(ExtractionError):
+    """A sampled row disagrees with the engine's own computation: the call's data are wrong."""
+
+
+def tolerance(dtype) -> float:
+    """Relative L2 limit of norm(captured last-layer row) vs the engine's final-norm output: the
+    two differ by one rounding of the residual sum (measured ~3e-3 in bf16); a misplaced or
+    zeroed row differs by ~1."""
+    import torch
+
+    return max(8 * torch.finfo(dtype).eps, 1e-4)
+
+
+def final_norm_of(base, num_layers: int, end: int):
+    """(module, why not): the model's final norm where this stage runs it, else a reason."""
+    if end != num_layers:
+        return None, "the final norm is on another pipeline stage"
+    for name in FINAL_NORMS:
+        module = getattr(base, name, None)
+        if module is not None and callable(module) and type(module).__name__ != "PPMissingLayer":
+            return module, None
+    return None, f"{type(base).__name__} has none of {', '.join(FINAL_NORMS)}"
+
+
+def embedding_of(base):
+    for name in EMBEDDINGS:
+        module = getattr(base, name, None)
+        if module is not None and callable(module) and type(module).__name__ != "PPMissingLayer":
+            return module
+    return None
+
+
+def positions_index(layer_cls) -> int | None:
+    """Index of ``positions`` among a layer forward's positional arguments (after self)."""
+    try:
+        names = list(inspect.signature(layer_cls.forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return None
+    return names.index("positions") if "positions" in names else None
+
+
+class _Sample:
+    __slots__ = ("meta", "src", "index", "ids", "pos", "layers", "final")
+
+    def __init__(self, meta, src):
+        self.meta, self.src = meta, src  # [(req_id, destination row)], [source row]
+        self.index = None
+        self.ids = self.pos = self.final = None
+        self.layers: dict = {}
+
+    def rows(self, tensor):
+        import torch
+
+        if self.index is None or self.index.device != tensor.device:
+            index = torch.tensor(self.src, dtype=torch.long)
+            if tensor.device.type == "cuda":  # page-locked and asynchronous: no wait inside the forward
+                index = index.pin_memory().to(tensor.device, non_blocking=True)
+            self.index = index.to(tensor.device)
+        return tensor.index_select(0, self.index)
+
+
+class RowCheck:
+    """The worker's samples of one call (``rows`` per sampled step; 0: off)."""
+
+    def __init__(self, rows: int):
+        self.rows = max(0, int(rows))
+        self.samples: list[_Sample] = []
+        self.steps = 0
+
+    def pick(self, spans) -> _Sample | None:
+        """This step's sample: the first and last row of up to rows/2 sequences, on steps 0-3 and
+        every power of two after (a long call costs a few samples, early and late steps alike)."""
+        step, self.steps = self.steps, self.steps + 1
+        if not self.rows or not spans or (step > 3 and step & (step - 1)):
+            return None
+        k = max(1, self.rows // 2)
+        chosen = spans if len(spans) <= k else [spans[(step + i * len(spans) // k) % len(spans)] for i in range(k)]
+        meta, src = [], []
+        for s, rid, d, n in chosen:
+            for off in sorted({0, n - 1}):
+                meta.append((rid, d + off))
+                src.append(s + off)
+        sample = _Sample(meta, src)
+        self.samples.append(sample)
+        return sample
+
+    def report(self, buffers, slots: dict, final_norm, final_slot) -> dict:
+        """What the driver judges: tokens seen per (req_id, row), and the rows that failed."""
+        import torch
+
+        out: dict[str, Any] = {"rows": 0, "tokens": [], "positions_seen": 0, "positions_bad": [], "copies_checked": 0, "copies_bad": [],
+               "final_rows": 0, "final_max_rel_error": 0.0, "final_bad": []}
+        layer_of = {slot: lid for lid, slot in slots.items()}
+        for sample in self.samples:
+            meta = sample.meta
+            out["rows"] += len(meta)
+            if sample.ids is not None:
+                out["tokens"] += [(rid, d, t) for (rid, d), t in zip(meta, sample.ids.cpu().tolist())]
+            if sample.pos is not None:
+                out["positions_seen"] += len(meta)
+                out["positions_bad"] += [(rid, d, p) for (rid, d), p in zip(meta, sample.pos.cpu().tolist()) if p != d]
+            for slot, rows in sample.layers.items():
+                host = torch.stack([buffers[rid][slot][d] for rid, d in meta])
+                same = (host.view(torch.uint8) == rows.cpu().contiguous().view(torch.uint8)).all(dim=1).tolist()
+                out["copies_checked"] += len(meta)
+                out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(meta, same) if not ok]
+            if sample.final is not None and final_norm is not None:
+                host = torch.stack([buffers[rid][final_slot][d] for rid, d in meta]).to(sample.final.device)
+                with torch.no_grad():
+                    normed = final_norm(host)
+                normed = normed[0] if isinstance(normed, tuple) else normed
+                ref = sample.final.float()
+                rel = ((normed.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).cpu().tolist()
+                limit = tolerance(sample.final.dtype)
+                out["final_rows"] += len(meta)
+                out["final_max_rel_error"] = max([out["final_max_rel_error"], *rel])
+                out["final_limit"] = limit
+                out["final_bad"] += [(rid, d, e) for (rid, d), e in zip(meta, rel) if not e <= limit]
+        return out
+
+
+def judge(reports, sequences: dict, layer_ids) -> dict:
+    """The call's self-check from the capturing ranks' reports; raises ``SelfCheckFailed``."""
+    summary: dict[str, Any] = {"rows": 0, "tokens_checked": 0, "positions_checked": 0, "copies_checked": 0,
+               "final_rows": 0, "final_max_rel_error": 0.0, "not_covered": []}
+    problems = []
+    for rep in reports:
+        if not rep:
+            continue
+        summary["rows"] += rep["rows"]
+        summary["copies_checked"] += rep["copies_checked"]
+        summary["final_rows"] += rep["final_rows"]
+        summary["final_max_rel_error"] = max(summary["final_max_rel_error"], rep["final_max_rel_error"])
+        summary["not_covered"] += [n for n in rep.get("not_covered", []) if n not in summary["not_covered"]]
+        summary["positions_checked"] += rep.get("positions_seen", 0)
+        tokens = rep["tokens"]
+        summary["tokens_checked"] += len(tokens)
+        wrong = [(rid, d, t, sequences[rid][d]) for rid, d, t in tokens if sequences[rid][d] != t]
+        if wrong:
+            rid, d, t, want = wrong[0]
+            problems.append(f"{len(wrong)} row(s) hold another sequence's token: row {d} of {rid} was computed for "
+                            f"token {t}; expected {want}")
+        if rep["positions_bad"]:
+            rid, d, p = rep["positions_bad"][0]
+            problems.append(f"{len(rep['positions_bad'])} row(s) at another position: row {d} of {rid} was computed "
+                            f"at position {p}")
+        if rep["copies_bad"]:
+            rid, d, lid = rep["copies_bad"][0]
+            problems.append(f"{len(rep['copies_bad'])} row(s) differ from what the layer computed: row {d} of {rid}, "
+                            f"layer {lid}")
+        if rep["final_bad"]:
+            rid, d, e = rep["final_bad"][0]
+            problems.append(f"{len(rep['final_bad'])} last-layer row(s) do not give the model's own final-norm "
+                            f"output: row {d} of {rid}, relative error {e:.3g} (limit {rep['final_limit']:.3g})")
+    if problems:
+        raise SelfCheckFailed(
+            f"speculators-compat self-check failed (layers {list(layer_ids)}): " + "; ".join(problems)
+            + ". These rows are wrong; nothing of this call is returned "
+            "(SPECULATORS_COMPAT_SELF_CHECK_ROWS=0 skips the check)\n[" + context() + "]"
+        )
+    return summary
