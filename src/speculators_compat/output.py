@@ -423,7 +423,10 @@ def verify(folder: Path, checksums: bool = True) -> tuple[dict, list[Defect]]:
                "complete": complete, "checksums": checksums, "model": m.run.get("model"),
                "layer_ids": layers, "seq_length": m.run.get("seq_length"),
                "versions": m.run.get("versions"), "self_checks": len(m.self_checks),
-               "self_check_max_error": max((c.get("max_rel_error", 0.0) for c in m.self_checks), default=None),
+               "self_check_max_error": max((c.get("max_rel_error", 0.0) for c in m.self_checks
+                                            if c.get("kind") != "engine"), default=None),
+               "engine_self_check_rows": sum(c.get("rows", 0) for c in m.self_checks
+                                             if c.get("kind") == "engine" and c.get("verdict") == "pass"),
                "defects": len(defects)}
     return summary, defects
 

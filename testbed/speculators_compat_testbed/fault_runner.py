@@ -118,14 +118,15 @@ def _arm_step_error(worker):
     return True
 
 
-PLANTED = ("batch_order", "_copy_rows", "on_layer_output")
+PLANTED = ("batch_order", "_copy_rows", "on_layer_output", "compute_spans")
 
 
 def _arm_plant(worker, mode):
     """Worker side: plant a wrong answer the written-rows check cannot see, until disarmed.
     ``order``: the step's requests in reverse order (rows go to another sequence of the same
     length); ``shift``: every captured row is the next token's; ``no_residual``: the layers'
-    hidden states without the residual (another stream)."""
+    hidden states without the residual (another stream); ``early``: a prompt's later chunks
+    placed one row early (counts stay right)."""
     import torch
 
     from speculators_compat.layers import LayerAdapter
@@ -139,6 +140,8 @@ def _arm_plant(worker, mode):
     elif mode == "no_residual":
         state.on_layer_output = lambda lid, adapter, module, output: cls.on_layer_output(
             state, lid, LayerAdapter("planted", lambda o: o[0], adapter.required), module, output)
+    elif mode == "early":
+        state.compute_spans = lambda: [(s, rid, d - 1 if d > 0 else d, n) for s, rid, d, n in cls.compute_spans(state)]
     else:
         raise ValueError(f"unknown plant {mode!r}")
     return True
@@ -322,6 +325,28 @@ def run_recover(args) -> dict:
     for mode in ("order", "shift", "no_residual"):
         case(f"planted_{mode}", planted(mode))
         case(f"planted_{mode}_check_off", planted(mode, rows=0))
+    # the clean batch (several steps: prompts prefilled in chunks), later chunks placed one row early
+
+    def early(rows=None):
+        def action():
+            old = os.environ.get("SPECULATORS_COMPAT_SELF_CHECK_ROWS")
+            if rows is not None:
+                os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = str(rows)
+            gen.executor.collective_rpc(_arm_plant, args=("early",))
+            try:
+                got = gen.generate(batch)
+                result.setdefault("planted_returned_identical", {})[f"early/{rows}"] = _same(got, clean)
+            finally:
+                gen.executor.collective_rpc(_disarm_plant)
+                if rows is not None:
+                    if old is None:
+                        os.environ.pop("SPECULATORS_COMPAT_SELF_CHECK_ROWS", None)
+                    else:
+                        os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = old
+        return action
+
+    case("planted_early", early())
+    case("planted_early_check_off", early(rows=0))
     result["self_check"] = getattr(gen, "_speculators_compat_self_check", None)
     result["patches"] = [r["id"] for r in speculators_compat.report() if r["status"] == "applied"]
     try:

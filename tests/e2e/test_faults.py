@@ -105,7 +105,8 @@ def test_generator_survives_faults(tmp_path):
     assert cases["two_threads"]["error"] is None and r["two_threads"] == {"a": True, "b": True}, r["two_threads"]
     # the self-check: each planted wrong answer fails its call, naming what the engine computed
     expect = {"order": "another sequence's token", "shift": "differ from what the layer computed",
-              "no_residual": "final-norm output"}
+              "no_residual": "final-norm output", "early": "at another position"}
+    assert r["steps_per_call"] >= 2, r["steps_per_call"]  # the early plant needs prompts in chunks
     for mode, words in expect.items():
         err = cases[f"planted_{mode}"]["error"]
         assert err and err["type"] == "SelfCheckFailed" and words in err["message"], (mode, err)
@@ -113,5 +114,5 @@ def test_generator_survives_faults(tmp_path):
         assert cases[f"planted_{mode}_check_off"]["error"] is None, cases[f"planted_{mode}_check_off"]
         assert r["planted_returned_identical"][f"{mode}/0"] is False, (mode, r["planted_returned_identical"])
     tally = r["self_check_before_plants"]
-    assert tally["verdict"] == "pass" and tally["final_rows"] > 0 and tally["tokens_checked"] > 0, tally
+    assert tally["calls"] > 0 and tally["final_rows"] > 0 and tally["tokens_checked"] > 0, tally
     assert tally["copies_checked"] > 0 and tally["positions_checked"] > 0 and not tally["not_covered"], tally

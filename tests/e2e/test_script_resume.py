@@ -114,7 +114,7 @@ def reference(setup):
     engine = [c for c in checks if c.get("kind") == "engine"]
     assert [c["batch"] for c in canary] == [2, 5] and all(c["verdict"] == "pass" for c in canary), checks
     # the engine self-check of every call, its tally beside the data
-    assert len(engine) == 1 and engine[0]["verdict"] == "pass" and engine[0]["calls"] == 7, engine
+    assert len(engine) == 1 and engine[0]["calls"] == 7 and engine[0]["rows"] > 0, engine
     assert engine[0]["tokens_checked"] > 0 and engine[0]["final_rows"] > 0 and not engine[0]["not_covered"], engine
     print(f"\nself-check of the uninterrupted run: {checks}")
     return out
@@ -299,7 +299,7 @@ def test_the_engine_self_check_stops_the_same_misplacement_in_its_first_batch(se
     lines = [ln for ln in r["log"].splitlines() if "speculators-compat self-check failed" in ln]
     assert lines and "another sequence's token" in lines[0], r["log"][-3000:]
     checks = output.Manifest.read(out).self_checks
-    assert [(c.get("kind"), c["verdict"], c["batch"]) for c in checks] == [("engine", "fail", 0)], checks
+    assert [(c.get("kind"), c["verdict"], c["batch"], c["sample"]) for c in checks] == [("engine", "fail", 0, 0)], checks
     assert recorded(out) == 0, "a file of the failed batch was recorded"
     _summary, defects = output.verify(out)
     assert any(d.kind == "self-check" for d in defects), [str(d) for d in defects]

@@ -13,9 +13,9 @@ SEQS = {"a": [5, 6, 7, 8], "b": [9, 10, 11]}
 
 
 def report(**over) -> dict:
-    r = {"rows": 4, "tokens": [("a", 0, 5), ("a", 3, 8), ("b", 0, 9), ("b", 2, 11)], "positions_seen": 4,
-         "positions_bad": [], "copies_checked": 8, "copies_bad": [], "final_rows": 4,
-         "final_max_rel_error": 0.004, "final_limit": 0.0625, "final_bad": [], "not_covered": []}
+    r = {"rows": 4, "off": False, "tokens": [("a", 0, 5), ("a", 3, 8), ("b", 0, 9), ("b", 2, 11)],
+         "positions_bad": [], "copies_bad": [], "final_max_rel_error": 0.004, "final_limit": 0.0625, "final_bad": [],
+         "seen": {"tokens": 4, "positions": 4, "copies": 8, "final": 4}, "why_not": {}}
     r.update(over)
     return r
 
@@ -26,11 +26,28 @@ def test_a_clean_report_passes_and_is_counted():
                  "final_max_rel_error": 0.004, "not_covered": []}
 
 
+def test_a_kind_no_rank_saw_is_not_covered_with_the_ranks_reasons():
+    # two pipeline stages: the first embeds, the last runs the final norm: everything is covered
+    first = report(seen={"tokens": 4, "positions": 4, "copies": 4, "final": 0},
+                   why_not={"final": "the final norm is on another pipeline stage"})
+    last = report(tokens=[], seen={"tokens": 0, "positions": 4, "copies": 4, "final": 4},
+                  why_not={"tokens": "no embedding on this stage"})
+    assert judge([first, last], SEQS, [1, 3])["not_covered"] == []
+    # one stage that saw no final norm, and a hook that never fired
+    alone = report(seen={"tokens": 4, "positions": 0, "copies": 8, "final": 0},
+                   why_not={"final": "layer 3 not captured"})
+    assert judge([alone], SEQS, [1, 2])["not_covered"] == [
+        "positions (no sampled row reached it)", "final norm (layer 3 not captured)"]
+    assert judge([report(off=True, rows=0, tokens=[])], SEQS, [1])["not_covered"] == [
+        "off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0)"]
+
+
 @pytest.mark.parametrize("over, words", [
     ({"tokens": [("a", 0, 5), ("b", 0, 6)]}, "row 0 of b was computed for token 6; expected 9"),
     ({"positions_bad": [("a", 3, 2)]}, "row 3 of a was computed at position 2"),
     ({"copies_bad": [("b", 2, 3)]}, "row 2 of b, layer 3"),
     ({"final_bad": [("a", 1, 1.38)]}, "row 1 of a, relative error 1.38 (limit 0.0625)"),
+    ({"final_bad": [("a", 1, float("nan"))]}, "row 1 of a, a non-finite row"),
 ])
 def test_each_wrong_answer_fails_naming_its_row(over, words):
     with pytest.raises(SelfCheckFailed) as e:

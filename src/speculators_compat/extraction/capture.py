@@ -83,7 +83,7 @@ class CaptureState:
         self.sample = None  # this step's sample, or None
         self.final_norm = None  # the model's final norm where this stage runs it and captures the last layer
         self.final_slot = None
-        self.not_covered: list[str] = []  # what the self-check cannot see on this worker, and why
+        self.why_not: dict[str, str] = {}  # self-check kind -> why this worker cannot see it
         self.in_check = False
 
     # -- row placement ----------------------------------------------------------------
@@ -133,8 +133,10 @@ class CaptureState:
 
     def on_positions(self, positions):
         if self.in_step() and self.sample is not None and self.sample.pos is None and hasattr(positions, "dim"):
-            # M-RoPE positions are [3, tokens]: a text token's three are equal
-            self.sample.pos = self.sample.rows(positions[0] if positions.dim() == 2 else positions)
+            if positions.dim() == 2 and positions.shape[0] <= 4:  # M-RoPE [3, tokens]: a text token's are equal
+                positions = positions[0]
+            if positions.dim() == 1:
+                self.sample.pos = self.sample.rows(positions)
 
     def on_final_norm(self, output):
         if self.in_step() and self.sample is not None:
@@ -150,7 +152,9 @@ class CaptureState:
                 return
             slot = self.slot[layer_id]
             if self.sample is not None:
-                self.sample.layers[slot] = self.sample.rows(stream)
+                rows = self.sample.rows(stream)
+                if rows is not None:
+                    self.sample.layers[slot] = rows
             self._copy_rows(slot, stream)
         else:
             self.legacy_step[layer_id] = stream.clone()
@@ -273,10 +277,9 @@ class CaptureState:
             return None
         try:
             self.in_check = True
-            check = self.row_check.report(self.buffers, self.slot, self.final_norm, self.final_slot)
+            check = self.row_check.report(self.buffers, self.slot, self.final_norm, self.final_slot, self.why_not)
         finally:
             self.in_check = False
-        check["not_covered"] = list(self.not_covered) if self.row_check.rows else ["off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0)"]
         result = {"written": self.written, "check": check}
         self.end()
         return result

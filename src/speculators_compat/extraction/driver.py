@@ -175,7 +175,7 @@ def _generate(self, token_ids):
 
 def _tally(self, checked: dict) -> None:
     """Add one call's self-check to the generator's tally (``CHECK_ATTR``)."""
-    tally = getattr(self, CHECK_ATTR, None) or {"calls": 0, "verdict": "pass"}
+    tally = getattr(self, CHECK_ATTR, None) or {"calls": 0}
     tally["calls"] += 1
     for key, value in checked.items():
         if key == "final_max_rel_error":

@@ -62,6 +62,9 @@ def positions_index(layer_cls) -> int | None:
     return names.index("positions") if "positions" in names else None
 
 
+KINDS = {"tokens": "token ids", "positions": "positions", "copies": "layer rows", "final": "final norm"}
+
+
 class _Sample:
     __slots__ = ("meta", "src", "index", "ids", "pos", "layers", "final")
 
@@ -72,8 +75,12 @@ class _Sample:
         self.layers: dict = {}
 
     def rows(self, tensor):
+        """The sampled rows of ``tensor`` (on its device, no wait); None where it is not one row
+        per token of the step (another layout: that kind is then not covered, never an error)."""
         import torch
 
+        if getattr(tensor, "dim", lambda: 0)() < 1 or tensor.shape[0] <= max(self.src):
+            return None
         if self.index is None or self.index.device != tensor.device:
             index = torch.tensor(self.src, dtype=torch.long)
             if tensor.device.type == "cuda":  # page-locked and asynchronous: no wait inside the forward
@@ -107,58 +114,66 @@ class RowCheck:
         self.samples.append(sample)
         return sample
 
-    def report(self, buffers, slots: dict, final_norm, final_slot) -> dict:
-        """What the driver judges: tokens seen per (req_id, row), and the rows that failed."""
+    def report(self, buffers, slots: dict, final_norm, final_slot, why_not: dict) -> dict:
+        """What the driver judges: the token seen per sampled (req_id, row), the rows that failed,
+        how many rows each kind saw, and why a kind saw none (``why_not``, by kind)."""
         import torch
 
-        out: dict[str, Any] = {"rows": 0, "tokens": [], "positions_seen": 0, "positions_bad": [], "copies_checked": 0, "copies_bad": [],
-               "final_rows": 0, "final_max_rel_error": 0.0, "final_bad": []}
+        out: dict[str, Any] = {"rows": 0, "off": not self.rows, "tokens": [], "positions_bad": [], "copies_bad": [],
+                               "final_max_rel_error": 0.0, "final_bad": [], "seen": dict.fromkeys(KINDS, 0),
+                               "why_not": dict(why_not)}
+        seen = out["seen"]
         layer_of = {slot: lid for lid, slot in slots.items()}
         for sample in self.samples:
             meta = sample.meta
             out["rows"] += len(meta)
             if sample.ids is not None:
                 out["tokens"] += [(rid, d, t) for (rid, d), t in zip(meta, sample.ids.cpu().tolist())]
+                seen["tokens"] += len(meta)
             if sample.pos is not None:
-                out["positions_seen"] += len(meta)
+                seen["positions"] += len(meta)
                 out["positions_bad"] += [(rid, d, p) for (rid, d), p in zip(meta, sample.pos.cpu().tolist()) if p != d]
             for slot, rows in sample.layers.items():
                 host = torch.stack([buffers[rid][slot][d] for rid, d in meta])
-                same = (host.view(torch.uint8) == rows.cpu().contiguous().view(torch.uint8)).all(dim=1).tolist()
-                out["copies_checked"] += len(meta)
+                # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
+                rows = rows.to(host.dtype).cpu().contiguous()
+                same = (host.view(torch.uint8) == rows.view(torch.uint8)).all(dim=1).tolist()
+                seen["copies"] += len(meta)
                 out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(meta, same) if not ok]
             if sample.final is not None and final_norm is not None:
                 host = torch.stack([buffers[rid][final_slot][d] for rid, d in meta]).to(sample.final.device)
-                with torch.no_grad():
-                    normed = final_norm(host)
-                normed = normed[0] if isinstance(normed, tuple) else normed
+                try:
+                    with torch.no_grad():
+                        normed = final_norm(host)
+                    normed = normed[0] if isinstance(normed, tuple) else normed
+                except Exception as exc:  # noqa: BLE001 - the norm outside its forward: not covered, never a failure
+                    out["why_not"]["final"] = f"the final norm cannot be re-run: {type(exc).__name__}: {exc}"[:200]
+                    final_norm = None
+                    continue
                 ref = sample.final.float()
                 rel = ((normed.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).cpu().tolist()
                 limit = tolerance(sample.final.dtype)
-                out["final_rows"] += len(meta)
-                out["final_max_rel_error"] = max([out["final_max_rel_error"], *rel])
+                seen["final"] += len(meta)
+                out["final_max_rel_error"] = max([out["final_max_rel_error"], *(e for e in rel if e == e)])
                 out["final_limit"] = limit
                 out["final_bad"] += [(rid, d, e) for (rid, d), e in zip(meta, rel) if not e <= limit]
         return out
 
 
 def judge(reports, sequences: dict, layer_ids) -> dict:
-    """The call's self-check from the capturing ranks' reports; raises ``SelfCheckFailed``."""
+    """The call's self-check from the capturing ranks' reports (one per pipeline stage); raises
+    ``SelfCheckFailed``. A kind no rank saw is listed in ``not_covered`` with the ranks' reasons."""
+    reports = [r for r in reports if r]
     summary: dict[str, Any] = {"rows": 0, "tokens_checked": 0, "positions_checked": 0, "copies_checked": 0,
-               "final_rows": 0, "final_max_rel_error": 0.0, "not_covered": []}
+                               "final_rows": 0, "final_max_rel_error": 0.0, "not_covered": []}
     problems = []
+    seen = dict.fromkeys(KINDS, 0)
     for rep in reports:
-        if not rep:
-            continue
         summary["rows"] += rep["rows"]
-        summary["copies_checked"] += rep["copies_checked"]
-        summary["final_rows"] += rep["final_rows"]
+        for kind in KINDS:
+            seen[kind] += rep["seen"][kind]
         summary["final_max_rel_error"] = max(summary["final_max_rel_error"], rep["final_max_rel_error"])
-        summary["not_covered"] += [n for n in rep.get("not_covered", []) if n not in summary["not_covered"]]
-        summary["positions_checked"] += rep.get("positions_seen", 0)
-        tokens = rep["tokens"]
-        summary["tokens_checked"] += len(tokens)
-        wrong = [(rid, d, t, sequences[rid][d]) for rid, d, t in tokens if sequences[rid][d] != t]
+        wrong = [(rid, d, t, sequences[rid][d]) for rid, d, t in rep["tokens"] if sequences[rid][d] != t]
         if wrong:
             rid, d, t, want = wrong[0]
             problems.append(f"{len(wrong)} row(s) hold another sequence's token: row {d} of {rid} was computed for "
@@ -173,8 +188,18 @@ def judge(reports, sequences: dict, layer_ids) -> dict:
                             f"layer {lid}")
         if rep["final_bad"]:
             rid, d, e = rep["final_bad"][0]
+            what = "a non-finite row" if e != e else f"relative error {e:.3g} (limit {rep['final_limit']:.3g})"
             problems.append(f"{len(rep['final_bad'])} last-layer row(s) do not give the model's own final-norm "
-                            f"output: row {d} of {rid}, relative error {e:.3g} (limit {rep['final_limit']:.3g})")
+                            f"output: row {d} of {rid}, {what}")
+    summary.update(tokens_checked=seen["tokens"], positions_checked=seen["positions"],
+                   copies_checked=seen["copies"], final_rows=seen["final"])
+    if any(r.get("off") for r in reports):
+        summary["not_covered"] = ["off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0)"]
+    elif summary["rows"]:
+        for kind, label in KINDS.items():
+            if not seen[kind]:
+                why = sorted({r["why_not"][kind] for r in reports if r["why_not"].get(kind)})
+                summary["not_covered"].append(f"{label} ({'; '.join(why) or 'no sampled row reached it'})")
     if problems:
         raise SelfCheckFailed(
             f"speculators-compat self-check failed (layers {list(layer_ids)}): " + "; ".join(problems)

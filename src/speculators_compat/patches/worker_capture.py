@@ -169,7 +169,7 @@ def _hook_self_check(state, base, layers, start, end) -> None:
         hook = embedding.register_forward_pre_hook(lambda m, args: state.on_input_ids(args[0]) if args else None)
         state.handles.append(hook)
     else:
-        state.not_covered.append("token ids (no embedding on this stage)")
+        state.why_not["tokens"] = "no embedding on this stage"
     first = layers[start] if start < end else None
     at = selfcheck.positions_index(type(first)) if first is not None else None
     if first is not None and at is not None:
@@ -179,14 +179,14 @@ def _hook_self_check(state, base, layers, start, end) -> None:
 
         state.handles.append(first.register_forward_pre_hook(positions_hook, with_kwargs=True))
     else:
-        state.not_covered.append("positions (the first layer's forward takes no positions)")
+        state.why_not["positions"] = "the first layer's forward takes no positions"
     last = len(layers) - 1
     if last not in state.layer_ids:
-        state.not_covered.append(f"final norm (layer {last} not captured)")
+        state.why_not["final"] = f"layer {last} not captured"
         return
     norm, why = selfcheck.final_norm_of(base, len(layers), end)
     if norm is None:
-        state.not_covered.append(f"final norm ({why})")
+        state.why_not["final"] = str(why)
         return
     state.final_norm, state.final_slot = norm, state.slot[last]
     state.handles.append(norm.register_forward_hook(lambda m, args, output: state.on_final_norm(output)))
@@ -229,7 +229,7 @@ def compat_rpc(self, seq, op, *args):
                     "pid": os.getpid(),
                     "layers": state.layer_ids,
                     "captures": state.capture,
-                    "self_check_not_covered": state.not_covered,
+                    "self_check_not_covered": state.why_not,
                     # the worker's own view of the engine config (the async-scheduling patch)
                     "async_scheduling": getattr(
                         getattr(getattr(self, "vllm_config", None), "scheduler_config", None), "async_scheduling", None

@@ -1,0 +1,124 @@
+"""The worker side of the self-check with real torch (``CaptureState`` hooks + ``RowCheck.report``,
+judged by ``selfcheck.judge``): one call over two steps (a chunked sequence) through the exchange.
+Correct rows pass with every kind seen — in bf16, and in fp16 where a layer keeps its residual in
+fp32 (vLLM's GemmaRMSNorm does) — a corrupted exchange row, a misplaced span and a stream that
+is not the residual stream fail; tensors in another layout are not covered, never an error."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from speculators_compat.exchange import ExchangePool
+from speculators_compat.extraction.capture import CaptureState
+from speculators_compat.extraction.protocol import Begin
+from speculators_compat.extraction.selfcheck import SelfCheckFailed, judge
+from speculators_compat.layers import FUSED_RESIDUAL, LayerAdapter
+
+pytestmark = pytest.mark.contract
+
+torch = pytest.importorskip("torch")
+
+HIDDEN = 64
+SEQS = {"r0": [5, 9, 13, 17, 21], "r1": [6, 10, 14], "r2": [7, 11, 15, 19]}
+LAYERS = (1, 3)  # 3 is the last of 4: the final norm is checked
+# (step, batch order): r1 is chunked over both steps
+STEPS = [({"r0": (5, 0), "r1": (2, 0)}, ["r0", "r1"]), ({"r1": (1, 2), "r2": (4, 0)}, ["r1", "r2"])]
+
+
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, HIDDEN))
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+def run_call(tmp_path, dtype=torch.bfloat16, fp32_residual=False, adapter=FUSED_RESIDUAL, positions_layout=None,
+             corrupt=None, misplace=False, rows=16):
+    pool = ExchangePool(str(tmp_path))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row_bytes = HIDDEN * itemsize
+    lengths = {rid: len(ids) for rid, ids in SEQS.items()}
+    placements, new, _ = pool.allocate_runs(
+        [[((rid, k), n * row_bytes) for rid, n in lengths.items()] for k in range(len(LAYERS))])
+    worker = SimpleNamespace(_captured_states=None, model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=[])))
+    state = CaptureState(worker, LAYERS)
+    state.capture, state.runner_kind = True, "v1"
+    norm = Norm().to(dtype)
+    state.final_norm, state.final_slot = norm, state.slot[3]
+    state.begin(Begin(call=0, caller_pid=os.getpid(), new_chunks={c.id: c.ref() for c in new},
+                      live_chunks=tuple(sorted(pool.chunks)), layers=len(LAYERS), hidden=HIDDEN, pin=False,
+                      dtype=str(dtype).replace("torch.", ""), check_rows=rows,
+                      placements={rid: ([placements[(rid, k)][:2] for k in range(len(LAYERS))], n)
+                                  for rid, n in lengths.items()}))
+    torch.manual_seed(0)
+    for step, order in STEPS:
+        worker.model_runner.input_batch.req_ids = order
+        state.set_step(step)
+        ids = torch.tensor([t for rid in order for t in SEQS[rid][step[rid][1]:step[rid][1] + step[rid][0]]])
+        pos = torch.tensor([p for rid in order for p in range(step[rid][1], step[rid][1] + step[rid][0])])
+        if misplace:  # the runner's batch in another order than the capture reads it
+            worker.model_runner.input_batch.req_ids = list(reversed(order))
+        state.on_input_ids(ids)
+        state.on_positions(pos if positions_layout is None else positions_layout(pos))
+        n = len(ids)
+        for lid in LAYERS:
+            hidden = torch.randn(n, HIDDEN).to(dtype) * 3
+            residual = torch.randn(n, HIDDEN).to(torch.float32 if fp32_residual else dtype)
+            state.on_layer_output(lid, adapter, None, (hidden, residual))
+            if lid == 3:
+                state.on_final_norm(norm(hidden.to(residual.dtype), residual)[0].to(dtype))
+    if corrupt is not None:
+        rid, slot, row = corrupt
+        state.buffers[rid][slot][row] += 1
+    reply = state.finish()
+    return reply, judge([reply["check"]], SEQS, LAYERS)
+
+
+@pytest.mark.parametrize("dtype, fp32_residual", [(torch.bfloat16, False), (torch.float32, False),
+                                                  (torch.float16, True)])
+def test_correct_rows_pass_with_every_kind_seen(tmp_path, dtype, fp32_residual):
+    reply, summary = run_call(tmp_path, dtype, fp32_residual)
+    assert reply["written"] == {rid: [len(ids)] * 2 for rid, ids in SEQS.items()}
+    # every sequence's first and last row of each step: r0 2, r1 2 + 1, r2 2
+    assert summary["rows"] == 7 and summary["tokens_checked"] == 7 and summary["positions_checked"] == 7
+    assert summary["copies_checked"] == 14 and summary["final_rows"] == 7 and summary["not_covered"] == []
+    assert summary["final_max_rel_error"] < 0.02, summary
+
+
+def test_a_corrupted_exchange_row_fails(tmp_path):
+    with pytest.raises(SelfCheckFailed, match="row 4 of r0, layer 3"):
+        run_call(tmp_path, corrupt=("r0", 1, 4))
+
+
+def test_rows_read_in_another_batch_order_fail(tmp_path):
+    with pytest.raises(SelfCheckFailed, match="another sequence's token"):
+        run_call(tmp_path, misplace=True)
+
+
+def test_a_stream_that_is_not_the_residual_stream_fails_at_the_final_norm(tmp_path):
+    hidden_only = LayerAdapter("hidden-only", lambda out: out[0], FUSED_RESIDUAL.required)
+    with pytest.raises(SelfCheckFailed, match="final-norm output"):
+        run_call(tmp_path, adapter=hidden_only)
+
+
+def test_another_layout_is_not_covered_never_an_error(tmp_path):
+    _, summary = run_call(tmp_path, positions_layout=lambda p: p.view(-1, 1).expand(-1, 2).contiguous())
+    assert summary["positions_checked"] == 0
+    assert summary["not_covered"] == ["positions (no sampled row reached it)"], summary
+    (tmp_path / "short").mkdir()
+    _, summary = run_call(tmp_path / "short", positions_layout=lambda p: p[:2])  # fewer rows than the step
+    assert summary["positions_checked"] == 0 and summary["tokens_checked"] == 7
+
+
+def test_off_checks_nothing_and_says_so(tmp_path):
+    _, summary = run_call(tmp_path, rows=0)
+    assert summary["rows"] == 0 and summary["not_covered"] == ["off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0)"]
