@@ -183,8 +183,16 @@ def run(args, progress=None) -> dict:
         if args.max_num_batched_tokens is not None and budget != args.max_num_batched_tokens:
             raise RuntimeError(f"expected the generator's engine to take {args.max_num_batched_tokens} tokens per "
                                f"step; found {budget}")
+        sc = generator.vllm_config.scheduler_config
+        result["scheduler"] = {k: getattr(sc, k) for k in _SCHEDULE_KEYS if isinstance(getattr(sc, k, None), (int, bool))}
         cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
         result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
+        if isinstance(result["engine"]["block_size"], int):  # the KV layout chunked prefill reads back
+            result["scheduler"]["block_size"] = result["engine"]["block_size"]
+        custom_ops = getattr(getattr(generator.vllm_config, "compilation_config", None), "custom_ops", None)
+        if isinstance(custom_ops, list):  # the kernels it picks (engine-options: CPU rotary op off)
+            result["engine"]["custom_ops"] = list(custom_ops)
+            result["scheduler"]["compilation_config"] = {"custom_ops": list(custom_ops)}
         rng = random.Random(args.seed)
         vocab = generator.tokenizer.vocab_size if hasattr(generator.tokenizer, "vocab_size") else 1000
         vocab = min(vocab, 1000)
@@ -194,6 +202,11 @@ def run(args, progress=None) -> dict:
             "truncated": _sequences([args.max_model_len + 50, 12], rng, vocab),
         }
         outputs = {}
+        if getattr(args, "plant", None):
+            from speculators_compat_testbed.fault_runner import _arm_plant
+
+            generator.executor.collective_rpc(_arm_plant, args=(args.plant,))
+            result["planted"] = args.plant
         say(f"engine ready in {result['init_s']:.1f}s; extracting hidden states")
         for name in ("mixed", "chunked", "truncated"):
             say(f"  generate: {name} batch ({len(batches[name])} sequences, {sum(len(x) for x in batches[name])} tokens)")
@@ -396,10 +409,66 @@ def run(args, progress=None) -> dict:
     result["passed"] = all(result["cases"][n]["passed"] for n in ("mixed", "chunked", "truncated")) and result["cases"][
         "repeat"
     ]["identical"]
+    settle = getattr(args, "settle", None)
+    if settle == "always" or (settle == "on-fail" and not result["passed"]):
+        say("the reference disagrees: the same engine's own forward (shim off), scheduled as the generator")
+        result["settled"] = _settle(args, result, outputs, model_dir, captured_dtype, ids, seqs_by_case, platform, versions)
     from speculators_compat_testbed.provenance import machine
 
     result["provenance"]["machine"] = machine()  # the GPU is known once the reference ran on it
     return result
+
+
+_SCHEDULE_KEYS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
+                  "max_num_partial_prefills", "max_long_partial_prefills")
+
+
+def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, platform, versions) -> dict:
+    """Every case's rows against vLLM's own forward with the shim off, scheduled as the generator
+    scheduled them (its token budget, max sequences, block size; ``vllm_reference`` "schedule":
+    "generator") and with its custom-op choice (on CPU engine-options turns vLLM's rotary op off).
+    ``settled``: every row of every case bit-identical and the repeat call identical: what the
+    reference disagrees with is the engine's own computation, not the capture."""
+    import torch
+
+    try:
+        got = _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, ["own"], platform, versions,
+                              schedule=result.get("scheduler") or {})
+    except Exception as exc:  # noqa: BLE001 - recorded: nothing settled
+        return {"settled": False, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
+    cases = {}
+    for name, seqs in seqs_by_case.items():
+        ref = got["variants"]["own"][name]
+        rows = same = 0
+        worst = None
+        by_layer: dict = {}  # layer -> [rows bit-identical, rows]
+        for s_i, (out, want) in enumerate(zip(outputs[name], ref)):
+            for l_i, (a, b) in enumerate(zip(out["hidden_states"], want)):
+                if a.shape != b.shape:
+                    worst = {"sequence": s_i, "layer": layer_ids[l_i], "error": f"shape {tuple(a.shape)} vs {tuple(b.shape)}"}
+                    rows += max(a.shape[0], b.shape[0])
+                    continue
+                eq = (a.cpu() == b.to(a.dtype).cpu()).all(dim=-1)
+                rows += int(eq.numel())
+                same += int(eq.sum())
+                per_layer = by_layer.setdefault(layer_ids[l_i], [0, 0])
+                per_layer[0] += int(eq.sum())
+                per_layer[1] += int(eq.numel())
+                if not bool(eq.all()):
+                    r = int((~eq).nonzero()[0])
+                    err = float((a[r].float().cpu() - b[r].float().cpu()).norm() / b[r].float().cpu().norm().clamp_min(1e-30))
+                    if worst is None or not isinstance(worst.get("error"), float) or err > worst["error"]:
+                        worst = {"sequence": s_i, "layer": layer_ids[l_i], "row": r, "error": err}
+        if os.environ.get("SPECULATORS_COMPAT_SETTLE_DUMP"):
+            torch.save({"captured": [[h.cpu() for h in o["hidden_states"]] for o in outputs[name]], "reference": ref,
+                        "sequences": seqs, "layer_ids": list(layer_ids), "schedule": result.get("scheduler")},
+                       f"{os.environ['SPECULATORS_COMPAT_SETTLE_DUMP']}.{name}.pt")
+        cases[name] = {"rows": rows, "identical": same, "identical_per_layer": by_layer, "first_differing": worst,
+                       "sequences": len(outputs[name]) == len(ref)}
+    ok = all(c["rows"] and c["rows"] == c["identical"] and c["sequences"] for c in cases.values())
+    return {"settled": ok and bool(result["cases"]["repeat"]["identical"]), "cases": cases,
+            "schedule": got.get("schedule"), "init_s": got.get("init_s"), "seconds": got.get("seconds"),
+            "reference": "vLLM's own forward, shim off, scheduled as the generator"}
 
 
 def _finite(v):
@@ -449,7 +518,7 @@ def _control_report(captured, reference, seqs, l4s, dtype) -> dict:
     }
 
 
-def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, platform, versions) -> dict:
+def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, platform, versions, schedule=None) -> dict:
     """Run testing.vllm_reference in a subprocess with the shim disabled; its result dict."""
     import subprocess
     import tempfile
@@ -468,6 +537,15 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         "variants": variants,
         "engine_kwargs": tiny_models.vllm_engine_kwargs(args.arch, platform),
     }
+    if schedule is not None:  # the generator's scheduler settings, so the engine batches as it did
+        from vllm.engine.arg_utils import EngineArgs
+
+        spec["schedule"] = "generator"
+        known = set(getattr(EngineArgs, "__dataclass_fields__", {}))
+        spec["engine_kwargs"].update({k: v for k, v in schedule.items() if k in known})
+        spec["engine_kwargs"].setdefault("distributed_executor_backend", "mp")  # see the env below
+        if args.tensor_parallel_size != 1:
+            spec["engine_kwargs"]["tensor_parallel_size"] = args.tensor_parallel_size
     if platform == "cuda":  # the same device budget and attention backend as the generator's engine
         spec["engine_kwargs"].setdefault("gpu_memory_utilization", args.gpu_memory_utilization or 0.15)
         backend = os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND")
@@ -477,6 +555,10 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         src, dst = os.path.join(td, "in.pt"), os.path.join(td, "out.pt")
         torch.save(spec, src)
         env = dict(os.environ, SPECULATORS_COMPAT_DISABLE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        if schedule is not None:  # the engine core in this process, so every prompt is queued before its
+            # first step (a busy core process starts on the first alone); the model in a worker process
+            # of vLLM's MultiprocExecutor, as the generator's (CPU kernels split work by the worker's threads)
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         proc = subprocess.run(
             [sys.executable, "-m", "speculators_compat_testbed.vllm_reference", src, dst],
             env=env, capture_output=True, text=True, timeout=args.reference_timeout,
@@ -537,6 +619,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--save-tensors", default=None, help="also torch.save the captures and references here (for analysis)"
+    )
+    parser.add_argument(
+        "--settle", nargs="?", const="on-fail", choices=("on-fail", "always"), default=None,
+        help="where the reference disagrees (or always), compare every row with the same engine's own forward "
+        "(shim off) scheduled as the generator scheduled it; bit-identical everywhere is recorded as 'settled'",
+    )
+    parser.add_argument(
+        "--plant", default=None, choices=("order", "shift", "no_residual", "early"),
+        help="negative control: a wrong answer planted in the workers' capture (fault_runner._arm_plant) "
+        "before the first call; with SPECULATORS_COMPAT_SELF_CHECK_ROWS=0 it reaches the comparisons",
     )
     parser.add_argument("--reference-timeout", type=int, default=1200, help="seconds for the vLLM reference run")
     return parser

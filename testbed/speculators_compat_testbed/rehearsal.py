@@ -4,7 +4,10 @@ PATH is the user's model folder (or its config.json alone); no weight is read. T
 shrunk by ``shrink`` (same class and configuration, few layers, small widths), random weights are
 written for it, and speculators' generator runs it under the shim on this machine with the user's
 engine settings through the e2e battery (mixed batch, chunked prefill, a repeat call, truncation);
-every captured row is compared with HF transformers on the same weights. Exit codes as ``check``:
+every captured row is compared with HF transformers on the same weights; where HF disagrees,
+with vLLM's own forward (shim off) scheduled as the generator schedules, and a capture
+bit-identical to it in every row passes (the disagreement is reported as the engine's own
+numerics). Exit codes as ``check``:
 0 passes, 2 fails (with the call site and expected/found), 3 cannot rehearse (one line why).
 """
 
@@ -297,7 +300,7 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         cmd = [sys.executable, "-m", "speculators_compat_testbed.e2e_runner", "--model-dir", str(model_dir),
                "--arch", p["family"], "--layers", ",".join(map(str, p["shrunk_layer_ids"])),
                "--max-model-len", str(p["max_model_len"]), "--max-num-batched-tokens", str(REHEARSAL_BATCH_TOKENS),
-               "--dtype", run_dtype, "--tensor-parallel-size", str(tp), "--out", str(out_json)]
+               "--dtype", run_dtype, "--tensor-parallel-size", str(tp), "--out", str(out_json), "--settle"]
         if gpus:
             cmd += ["--gpu-memory-utilization", os.environ.get("SPECULATORS_COMPAT_REHEARSAL_GPU_MEM", "0.3")]
         t = time.perf_counter()
@@ -363,12 +366,33 @@ def _judge(cell: dict) -> dict:
     cases["repeat"] = cell["cases"]["repeat"]
     out["reference"] = cell.get("reference")
     out["cases"] = cases
-    out["verdict"] = "pass" if cell.get("passed") else "fail"
+    settled = cell.get("settled")
+    if settled is not None:
+        out["settled"] = settled
+    out["verdict"] = "pass" if cell.get("passed") or (settled or {}).get("settled") else "fail"
     if not cell.get("passed"):
         bad = [n for n, c in cases.items() if not (c.get("passed") or c.get("identical"))]
-        out["failure"] = {"where": "captured rows vs " + str(cell.get("reference")),
-                          "message": "; ".join(f"{n}: {cases[n].get('summary') or 'not bit-identical on repeat'}" for n in bad)}
+        disagreement = "; ".join(f"{n}: {cases[n].get('summary') or 'not bit-identical on repeat'}" for n in bad)
+        if out["verdict"] == "pass":
+            out["engine_vs_reference"] = disagreement  # the engine's own numerics: reported, not the shim's
+        else:
+            out["failure"] = {"where": "captured rows vs " + str(cell.get("reference")), "message": disagreement}
+            if settled is not None:
+                out["failure"]["own_forward"] = _own_forward_line(settled)
     return out
+
+
+def _own_forward_line(settled: dict) -> str:
+    """One line: how the capture compares with vLLM's own forward scheduled as the generator."""
+    if settled.get("error"):
+        return f"vLLM's own forward (shim off) could not run: {settled['error'].splitlines()[0][:300]}"
+    parts = []
+    for name, c in (settled.get("cases") or {}).items():
+        d = c.get("first_differing")
+        parts.append(f"{name} {c['identical']}/{c['rows']} rows bit-identical"
+                     + (f" (largest: seq {d['sequence']} layer {d['layer']} row {d.get('row')}: {d['error']:.3g})"
+                        if d and isinstance(d.get("error"), float) else (f" ({d['error']})" if d else "")))
+    return "vs vLLM's own forward (shim off, scheduled as the generator): " + "; ".join(parts)
 
 
 def render(r: dict) -> str:
@@ -388,15 +412,24 @@ def render(r: dict) -> str:
         lines.append(f"  self-check {sc.get('rows', 0)} rows of {sc['calls']} calls match the engine's token ids, "
                      f"positions and layer rows; {final}"
                      + (f"; not covered: {', '.join(sc['not_covered'])}" if sc.get("not_covered") else ""))
+    if r.get("settled", {}).get("settled"):
+        lines.append("  own fwd   every row bit-identical to vLLM's own forward (shim off, scheduled as the generator):"
+                     " the reference's disagreement below is the engine's own numerics, not the capture")
     for name, c in (r.get("cases") or {}).items():
         if name == "repeat":
             lines.append(f"  repeat    {'bit-identical' if c.get('identical') else 'DIFFERS'}")
         else:
-            lines.append(f"  {name:9s} {'ok  ' if c.get('passed') else 'FAIL'} {c.get('summary')}")
+            summary = str(c.get("summary"))
+            mark = "ok  " if c.get("passed") else "FAIL"
+            if not c.get("passed") and r.get("verdict") == "pass":  # settled: the engine's own numerics
+                mark, summary = "≠ref", summary.removeprefix("FAIL: ")
+            lines.append(f"  {name:9s} {mark} {summary}")
     if r.get("failure"):
         f = r["failure"]
         msg = "; ".join(part.splitlines()[0] for part in str(f.get("message")).split("; ") if part.strip())
         lines.append(f"  failure   at {f.get('where')}: {msg}")
+        if f.get("own_forward"):
+            lines.append(f"            {f['own_forward']}")
         for t in f.get("tail") or []:
             lines.append(f"            {t}")
     for n in r.get("notes") or []:

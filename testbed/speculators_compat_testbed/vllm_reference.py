@@ -7,6 +7,12 @@ hooks on the decoder layers, registered in the worker through ``LLM.apply_model`
 (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), read ``hidden_states + residual`` after each chosen
 layer; one prompt at a time (prefill of the prompt, one sampled token, no decode forward).
 
+``"schedule": "generator"`` in the spec: each case's prompts go to the engine in one
+``generate`` call with the generator's scheduler settings (token budget, max sequences), so the
+engine batches and chunks them as the generator's step loop does and a correct capture is
+bit-identical to it. Each forward's rows are assigned to prompts from the forward's own token ids
+and positions (``assign_rows``), not from the runner's internals.
+
 Variants: ``own`` (the model as loaded) and ``llama_4_scaling_off`` (the worker's
 ``model.config.llama_4_scaling`` set to None before the run: exactly what a capture loop that
 calls the layers without the argument computes; the negative control).
@@ -93,6 +99,24 @@ def _setup(model, layer_ids):
 
     for i in layer_ids:
         state["handles"].append(inner.layers[i].register_forward_hook(make(i)))
+    state["ids"], state["pos"] = [], []
+    embed = getattr(inner, "embed_tokens", None)
+
+    def ids_hook(_module, args):
+        if args and hasattr(args[0], "dim") and args[0].dim() == 1:
+            state["ids"].append(args[0].detach().to("cpu").clone())
+
+    def pos_hook(_module, args, kwargs):
+        pos = kwargs.get("positions")
+        if pos is None:  # the first integer tensor (vLLM's decoder layers take positions first)
+            pos = next((a for a in args if hasattr(a, "dtype") and not a.dtype.is_floating_point), None)
+        if pos is not None:
+            pos = pos[0] if pos.dim() == 2 else pos  # M-RoPE [3, tokens]: a text token's are equal
+            state["pos"].append(pos.detach().to("cpu").clone())
+
+    if embed is not None:
+        state["handles"].append(embed.register_forward_pre_hook(ids_hook))
+    state["handles"].append(inner.layers[0].register_forward_pre_hook(pos_hook, with_kwargs=True))
     setattr(model, _STATE_ATTR, state)
     return {"model": type(model).__qualname__, "layer": type(inner.layers[0]).__qualname__,
             "llama_4_scaling": getattr(inner.config, "llama_4_scaling", None),
@@ -101,9 +125,53 @@ def _setup(model, layer_ids):
 
 def _reset(model):
     state = getattr(model, _STATE_ATTR)
-    for rows in list(state["rows"].values()) + list(state["logits"].values()):
+    for rows in list(state["rows"].values()) + list(state["logits"].values()) + [state["ids"], state["pos"]]:
         rows.clear()
     return True
+
+
+def _collect_steps(model):
+    """Per forward, its token ids and positions (lists), and its rows: [[layer, tensor of every
+    forward's rows], ...] and [[MoE layer, router logits alike], ...] (one cat'ed tensor each:
+    what ``apply_model`` returns intact across processes)."""
+    import torch
+
+    state = getattr(model, _STATE_ATTR)
+    n = len(state["pos"])
+    for name, got in [("token ids", state["ids"])] + [(f"layer {i}", r) for i, r in state["rows"].items()]:
+        if len(got) != n:
+            raise RuntimeError(f"expected one {name} record per forward ({n}); found {len(got)}")
+    return [[t.tolist() for t in state["ids"]], [t.tolist() for t in state["pos"]],
+            [[i, torch.cat(r)] for i, r in sorted(state["rows"].items())],
+            [[i, torch.cat(z)] for i, z in sorted(state["logits"].items()) if len(z) == n]]
+
+
+def assign_rows(prompts, ids, pos, progress: list[int]) -> list[tuple[int, int, int, int]]:
+    """One forward's rows as [(prompt index, first position, first row, rows)]: each run of rows
+    whose positions count up by one is matched against the prompts whose next uncomputed
+    position it starts at, longest match first (ties: the earlier prompt, as FCFS schedules).
+    Rows that continue no prompt end the forward (padding); the caller checks that every
+    position of every prompt was assigned once. ``progress``: each prompt's positions assigned so
+    far (advanced here)."""
+    nxt = progress
+    out, i, n = [], 0, len(pos)
+    while i < n:
+        p = int(pos[i])
+        best, best_k = None, 0
+        for r, prompt in enumerate(prompts):
+            if nxt[r] != p or p >= len(prompt):
+                continue
+            k = 0
+            while i + k < n and p + k < len(prompt) and int(pos[i + k]) == p + k and int(ids[i + k]) == prompt[p + k]:
+                k += 1
+            if k > best_k:
+                best, best_k = r, k
+        if best is None:
+            break  # the batch's padding; a real row left out shows as a prompt's missing position
+        out.append((best, p, i, best_k))
+        nxt[best] += best_k
+        i += best_k
+    return out
 
 
 def _collect(model):
@@ -156,6 +224,10 @@ def run(spec: dict) -> dict:
     out["margins"] = {}  # router top-k margins of the "own" forward: {case: [{layer: [len]}]}
     from speculators_compat_testbed.reference import router_margins
 
+    if spec.get("schedule") == "generator":
+        out["variants"]["own"] = _scheduled(llm, spec, params, layer_ids, routers, out, router_margins)
+        out["seconds"] = time.perf_counter() - t1
+        return out
     for variant in spec["variants"]:
         llm.apply_model(functools.partial(_set_scaling, value=None if variant == "llama_4_scaling_off" else original))
         per_batch = {}
@@ -197,6 +269,53 @@ def run(spec: dict) -> dict:
     llm.apply_model(functools.partial(_set_scaling, value=original))
     out["seconds"] = time.perf_counter() - t1
     return out
+
+
+def _scheduled(llm, spec, params, layer_ids, routers, out, router_margins) -> dict:
+    """Each case's prompts in one ``generate`` (the generator's schedule); rows per prompt."""
+    import torch
+
+    per_batch, out["schedule"] = {}, {}
+    for name, seqs in spec["batches"].items():
+        llm.apply_model(_reset)
+        llm.generate([{"prompt_token_ids": list(s)} for s in seqs], params, use_tqdm=False)
+        ids_per, pos_per, layer_rows, logit_rows = llm.apply_model(_collect_steps)[0]
+        starts = [sum(len(p) for p in pos_per[:k]) for k in range(len(pos_per))]
+        progress = [0] * len(seqs)
+        parts: list[list] = [[] for _ in seqs]  # per prompt: [(position, step, first row in the cat, rows)]
+        for k, (ids, pos) in enumerate(zip(ids_per, pos_per)):
+            for r, p, row, n in assign_rows(seqs, ids, pos, progress):
+                parts[r].append((p, k, starts[k] + row, n))
+        out["schedule"][name] = [[(p, k, n) for p, k, _row, n in sorted(pp)] for pp in parts]
+        rows, margins = [], []
+        layers = dict((int(i), t) for i, t in layer_rows)
+        logits = dict((int(i), z) for i, z in logit_rows)
+        total = sum(len(p) for p in pos_per)
+        bad = [(i, t.shape[0]) for i, t in list(layers.items()) + list(logits.items()) if t.shape[0] != total]
+        if bad or [len(x) for x in ids_per] != [len(p) for p in pos_per]:
+            raise RuntimeError(f"{name}: expected every forward's layer rows, router logits and token ids to match "
+                               f"its positions ({total} rows); found {bad or 'token ids of other lengths'}")
+        for r, seq in enumerate(seqs):
+            pp = sorted(parts[r])
+            covered = [p for p, _k, _row, _n in pp]
+            expect = [sum(n for _p, _k, _row, n in pp[:j]) for j in range(len(pp))]
+            if covered != expect or sum(n for *_x, n in pp) != len(seq):
+                raise RuntimeError(f"{name}: prompt {r} ({len(seq)} tokens) was computed as spans {pp}: "
+                                   "expected each position once")
+            by_layer = {i: torch.cat([layers[i][row:row + n] for _p, _k, row, n in pp]) for i in layer_ids}
+            rows.append([by_layer[i] for i in spec["layer_ids"]])
+            per = {}
+            for i, rt in routers.items():
+                if int(i) in logits:
+                    z = torch.cat([logits[int(i)][row:row + n] for _p, _k, row, n in pp])
+                    per[i] = router_margins(z, rt["top_k"], rt["scoring"], rt["bias"], rt["n_group"], rt["topk_group"])
+                else:
+                    out.setdefault("margin_problems", []).append(f"{name}: router of layer {i}: not one record per forward")
+            margins.append(per)
+        per_batch[name] = rows
+        if routers:
+            out["margins"][name] = margins
+    return per_batch
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """``speculators-compat check --model``: the user's config (a released one) rehearsed on real vLLM
 and speculators, as a user runs it; and with the patch the architecture needs left out, it fails
-loudly (exit 2, the failure named), so the pass above means something."""
+loudly (exit 2, the failure named), and the second reference (vLLM's own forward scheduled as
+the generator) does not rescue it, so the pass above means something."""
 
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ def test_mistral_without_engine_options_fails_loudly(tmp_path):
     assert r["verdict"] == "fail" and r["failure"]["message"], r
     assert str(r["failure"]["where"]).startswith("captured rows vs"), r  # the rows differ, not a crash
     assert "engine-options" not in r["patches"]
+    # vLLM's own forward (shim off, scheduled as the generator) applies the window: it does not
+    # settle the disagreement, and the failure says how many rows differ from it
+    assert r["settled"]["settled"] is False and "error" not in r["settled"], r["settled"]
+    assert any(c["identical"] < c["rows"] for c in r["settled"]["cases"].values()), r["settled"]["cases"]
+    assert "rows bit-identical" in r["failure"]["own_forward"]
 
 
 def test_bad_layer_id_is_one_line_before_any_engine(tmp_path):
