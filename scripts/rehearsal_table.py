@@ -21,6 +21,12 @@ def cell(r: dict | None) -> str:
         tail = (r.get("stderr_tail") or "").strip().splitlines()
         why = tail[-1].split("cannot check: ", 1)[-1][:90] if tail else "?"
         return f"cannot: {why}"
+    settled = r.get("settled") or {}
+    if settled.get("settled"):  # HF disagreed; every row bit-identical to vLLM's own scheduled forward
+        worst = f", vs HF worst row {max(rows):.1e}; own forward: every row bit-identical"
+    elif settled.get("cases"):
+        same = sum(c["identical"] for c in settled["cases"].values())
+        worst += f"; own forward: {same}/{sum(c['rows'] for c in settled['cases'].values())} rows bit-identical"
     return f"**{verdict}** ({wall:.0f} s{worst})"
 
 
