@@ -69,6 +69,9 @@ def _router_spec(layer, config):
     return gate, {"top_k": int(top_k), "scoring": scoring, "n_group": n_group, "topk_group": topk_group}
 
 
+_EMBEDDINGS = ("embed_tokens", "embedding", "wte", "word_embeddings", "tok_embeddings")  # gpt-oss: embedding
+
+
 def _setup(model, layer_ids):
     from speculators_compat_testbed.reference import router_logits
 
@@ -100,7 +103,7 @@ def _setup(model, layer_ids):
     for i in layer_ids:
         state["handles"].append(inner.layers[i].register_forward_hook(make(i)))
     state["ids"], state["pos"] = [], []
-    embed = getattr(inner, "embed_tokens", None)
+    embed = next((m for m in (getattr(inner, a, None) for a in _EMBEDDINGS) if m is not None), None)
 
     def ids_hook(_module, args):
         if args and hasattr(args[0], "dim") and args[0].dim() == 1:
@@ -114,7 +117,7 @@ def _setup(model, layer_ids):
             pos = pos[0] if pos.dim() == 2 else pos  # M-RoPE [3, tokens]: a text token's are equal
             state["pos"].append(pos.detach().to("cpu").clone())
 
-    if embed is not None:
+    if embed is not None:  # else the scheduled reference says it found no token ids
         state["handles"].append(embed.register_forward_pre_hook(ids_hook))
     state["handles"].append(inner.layers[0].register_forward_pre_hook(pos_hook, with_kwargs=True))
     setattr(model, _STATE_ATTR, state)
@@ -140,7 +143,8 @@ def _collect_steps(model):
     n = len(state["pos"])
     for name, got in [("token ids", state["ids"])] + [(f"layer {i}", r) for i, r in state["rows"].items()]:
         if len(got) != n:
-            raise RuntimeError(f"expected one {name} record per forward ({n}); found {len(got)}")
+            raise RuntimeError(f"expected one {name} record per forward ({n}); found {len(got)}"
+                               + (f" (no token embedding named {', '.join(_EMBEDDINGS)})" if name == "token ids" else ""))
     return [[t.tolist() for t in state["ids"]], [t.tolist() for t in state["pos"]],
             [[i, torch.cat(r)] for i, r in sorted(state["rows"].items())],
             [[i, torch.cat(z)] for i, z in sorted(state["logits"].items()) if len(z) == n]]
