@@ -187,12 +187,9 @@ def run(args, progress=None) -> dict:
         result["scheduler"] = {k: getattr(sc, k) for k in _SCHEDULE_KEYS if isinstance(getattr(sc, k, None), (int, bool))}
         cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
         result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
-        if isinstance(result["engine"]["block_size"], int):  # the KV layout chunked prefill reads back
-            result["scheduler"]["block_size"] = result["engine"]["block_size"]
         custom_ops = getattr(getattr(generator.vllm_config, "compilation_config", None), "custom_ops", None)
         if isinstance(custom_ops, list):  # the kernels it picks (engine-options: CPU rotary op off)
             result["engine"]["custom_ops"] = list(custom_ops)
-            result["scheduler"]["compilation_config"] = {"custom_ops": list(custom_ops)}
         rng = random.Random(args.seed)
         vocab = generator.tokenizer.vocab_size if hasattr(generator.tokenizer, "vocab_size") else 1000
         vocab = min(vocab, 1000)
@@ -429,41 +426,40 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
     "generator") and with its custom-op choice (on CPU engine-options turns vLLM's rotary op off).
     ``settled``: every row of every case bit-identical and the repeat call identical: what the
     reference disagrees with is the engine's own computation, not the capture."""
-    import torch
-
+    schedule = dict(result.get("scheduler") or {})
+    engine = result.get("engine") or {}
+    if isinstance(engine.get("block_size"), int):  # the KV layout chunked prefill reads back
+        schedule["block_size"] = engine["block_size"]
+    if engine.get("custom_ops") is not None:
+        schedule["compilation_config"] = {"custom_ops": engine["custom_ops"]}
     try:
         got = _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, ["own"], platform, versions,
-                              schedule=result.get("scheduler") or {})
+                              schedule=schedule)
     except Exception as exc:  # noqa: BLE001 - recorded: nothing settled
         return {"settled": False, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
     cases = {}
-    for name, seqs in seqs_by_case.items():
+    for name in seqs_by_case:
         ref = got["variants"]["own"][name]
-        rows = same = 0
-        worst = None
+        first = None  # the first row (in sequence, layer, row order) that differs
         by_layer: dict = {}  # layer -> [rows bit-identical, rows]
         for s_i, (out, want) in enumerate(zip(outputs[name], ref)):
             for l_i, (a, b) in enumerate(zip(out["hidden_states"], want)):
+                counts = by_layer.setdefault(layer_ids[l_i], [0, 0])
                 if a.shape != b.shape:
-                    worst = {"sequence": s_i, "layer": layer_ids[l_i], "error": f"shape {tuple(a.shape)} vs {tuple(b.shape)}"}
-                    rows += max(a.shape[0], b.shape[0])
+                    counts[1] += max(a.shape[0], b.shape[0])
+                    first = first or {"sequence": s_i, "layer": layer_ids[l_i],
+                                      "error": f"shape {tuple(a.shape)} vs {tuple(b.shape)}"}
                     continue
-                eq = (a.cpu() == b.to(a.dtype).cpu()).all(dim=-1)
-                rows += int(eq.numel())
-                same += int(eq.sum())
-                per_layer = by_layer.setdefault(layer_ids[l_i], [0, 0])
-                per_layer[0] += int(eq.sum())
-                per_layer[1] += int(eq.numel())
-                if not bool(eq.all()):
+                a, b = a.cpu(), b.to(a.dtype).cpu()
+                eq = (a == b).all(dim=-1)
+                counts[0] += int(eq.sum())
+                counts[1] += int(eq.numel())
+                if first is None and not bool(eq.all()):
                     r = int((~eq).nonzero()[0])
-                    err = float((a[r].float().cpu() - b[r].float().cpu()).norm() / b[r].float().cpu().norm().clamp_min(1e-30))
-                    if worst is None or not isinstance(worst.get("error"), float) or err > worst["error"]:
-                        worst = {"sequence": s_i, "layer": layer_ids[l_i], "row": r, "error": err}
-        if os.environ.get("SPECULATORS_COMPAT_SETTLE_DUMP"):
-            torch.save({"captured": [[h.cpu() for h in o["hidden_states"]] for o in outputs[name]], "reference": ref,
-                        "sequences": seqs, "layer_ids": list(layer_ids), "schedule": result.get("scheduler")},
-                       f"{os.environ['SPECULATORS_COMPAT_SETTLE_DUMP']}.{name}.pt")
-        cases[name] = {"rows": rows, "identical": same, "identical_per_layer": by_layer, "first_differing": worst,
+                    err = float((a[r].float() - b[r].float()).norm() / b[r].float().norm().clamp_min(1e-30))
+                    first = {"sequence": s_i, "layer": layer_ids[l_i], "row": r, "error": err}
+        cases[name] = {"rows": sum(c[1] for c in by_layer.values()), "identical": sum(c[0] for c in by_layer.values()),
+                       "identical_per_layer": by_layer, "first_differing": first,
                        "sequences": len(outputs[name]) == len(ref)}
     ok = all(c["rows"] and c["rows"] == c["identical"] and c["sequences"] for c in cases.values())
     return {"settled": ok and bool(result["cases"]["repeat"]["identical"]), "cases": cases,

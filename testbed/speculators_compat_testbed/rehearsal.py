@@ -390,7 +390,7 @@ def _own_forward_line(settled: dict) -> str:
     for name, c in (settled.get("cases") or {}).items():
         d = c.get("first_differing")
         parts.append(f"{name} {c['identical']}/{c['rows']} rows bit-identical"
-                     + (f" (largest: seq {d['sequence']} layer {d['layer']} row {d.get('row')}: {d['error']:.3g})"
+                     + (f" (first: seq {d['sequence']} layer {d['layer']} row {d.get('row')}: {d['error']:.3g})"
                         if d and isinstance(d.get("error"), float) else (f" ({d['error']})" if d else "")))
     return "vs vLLM's own forward (shim off, scheduled as the generator): " + "; ".join(parts)
 

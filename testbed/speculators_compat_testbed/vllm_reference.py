@@ -69,9 +69,6 @@ def _router_spec(layer, config):
     return gate, {"top_k": int(top_k), "scoring": scoring, "n_group": n_group, "topk_group": topk_group}
 
 
-_EMBEDDINGS = ("embed_tokens", "embedding", "wte", "word_embeddings", "tok_embeddings")  # gpt-oss: embedding
-
-
 def _setup(model, layer_ids):
     from speculators_compat_testbed.reference import router_logits
 
@@ -102,17 +99,18 @@ def _setup(model, layer_ids):
 
     for i in layer_ids:
         state["handles"].append(inner.layers[i].register_forward_hook(make(i)))
+    from speculators_compat.extraction.selfcheck import embedding_of, positions_index
+
     state["ids"], state["pos"] = [], []
-    embed = next((m for m in (getattr(inner, a, None) for a in _EMBEDDINGS) if m is not None), None)
+    embed = embedding_of(inner)
+    at = positions_index(type(inner.layers[0]))
 
     def ids_hook(_module, args):
         if args and hasattr(args[0], "dim") and args[0].dim() == 1:
             state["ids"].append(args[0].detach().to("cpu").clone())
 
     def pos_hook(_module, args, kwargs):
-        pos = kwargs.get("positions")
-        if pos is None:  # the first integer tensor (vLLM's decoder layers take positions first)
-            pos = next((a for a in args if hasattr(a, "dtype") and not a.dtype.is_floating_point), None)
+        pos = kwargs.get("positions", args[at] if at is not None and at < len(args) else None)
         if pos is not None:
             pos = pos[0] if pos.dim() == 2 else pos  # M-RoPE [3, tokens]: a text token's are equal
             state["pos"].append(pos.detach().to("cpu").clone())
@@ -143,8 +141,7 @@ def _collect_steps(model):
     n = len(state["pos"])
     for name, got in [("token ids", state["ids"])] + [(f"layer {i}", r) for i, r in state["rows"].items()]:
         if len(got) != n:
-            raise RuntimeError(f"expected one {name} record per forward ({n}); found {len(got)}"
-                               + (f" (no token embedding named {', '.join(_EMBEDDINGS)})" if name == "token ids" else ""))
+            raise RuntimeError(f"expected one {name} record per forward ({n}); found {len(got)}")
     return [[t.tolist() for t in state["ids"]], [t.tolist() for t in state["pos"]],
             [[i, torch.cat(r)] for i, r in sorted(state["rows"].items())],
             [[i, torch.cat(z)] for i, z in sorted(state["logits"].items()) if len(z) == n]]
@@ -157,13 +154,12 @@ def assign_rows(prompts, ids, pos, progress: list[int]) -> list[tuple[int, int, 
     Rows that continue no prompt end the forward (padding); the caller checks that every
     position of every prompt was assigned once. ``progress``: each prompt's positions assigned so
     far (advanced here)."""
-    nxt = progress
     out, i, n = [], 0, len(pos)
     while i < n:
         p = int(pos[i])
         best, best_k = None, 0
         for r, prompt in enumerate(prompts):
-            if nxt[r] != p or p >= len(prompt):
+            if progress[r] != p or p >= len(prompt):
                 continue
             k = 0
             while i + k < n and p + k < len(prompt) and int(pos[i + k]) == p + k and int(ids[i + k]) == prompt[p + k]:
@@ -173,7 +169,7 @@ def assign_rows(prompts, ids, pos, progress: list[int]) -> list[tuple[int, int, 
         if best is None:
             break  # the batch's padding; a real row left out shows as a prompt's missing position
         out.append((best, p, i, best_k))
-        nxt[best] += best_k
+        progress[best] += best_k
         i += best_k
     return out
 
