@@ -60,7 +60,7 @@ done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2 n=${CELL_NAME:-$2}; shift 2
   PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-$v:$SITE timeout 420 python3 -m speculators_compat_testbed.e2e_runner \
-    --arch "$a" --out "$OUT/e2e_spec-${v}_${n}.json" --gpu-memory-utilization 0.15 "$@" > "$OUT/e2e_spec-${v}_${n}.log" 2>&1
+    --arch "$a" --out "$OUT/e2e_spec-${v}_${n}.json" --gpu-memory-utilization 0.15 "$@" ${CELL_EXTRA:-} > "$OUT/e2e_spec-${v}_${n}.log" 2>&1
   echo "cell $v $a rc=$?"
 }
 t0=$(date +%s)
@@ -87,6 +87,16 @@ if [[ " $STEPS " == *" rehearse "* ]]; then
   MLA_ONLY=${REHEARSE_MLA:-}
   for group in "$DENSE_ONLY:TRITON_ATTN" "$MOE_ONLY:TRITON_ATTN" "$MLA_ONLY:TRITON_MLA"; do
     only=${group%%:*}; backend=${group##*:}; [ -n "$only" ] || continue
+    if [ "${REHEARSE_PARALLEL:-0}" = 1 ]; then  # one process per config at once (each engine's KV cache capped)
+      pids=()
+      for slug in ${only//,/ }; do
+        SPECULATORS_COMPAT_KV_CACHE_BYTES=4000000000 SPECULATORS_COMPAT_REHEARSAL_GPU_MEM=0.12 SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend \
+          PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${REHEARSE_TIMEOUT:-500} python3 scripts/rehearse_released.py \
+          --label "gpu_spec-0.4.0.1_vllm-${VV}_$slug" --only "$slug" --out-dir "$OUT" > "$OUT/rehearse_$slug.log" 2>&1 & pids+=($!)
+      done
+      wait "${pids[@]}"
+      continue
+    fi
     SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE \
       timeout ${REHEARSE_TIMEOUT:-500} python3 scripts/rehearse_released.py --label "gpu_spec-0.4.0.1_vllm-$VV" \
       --only "$only" --out-dir "$OUT" ${REHEARSE_CONTROLS:+--controls "$REHEARSE_CONTROLS"}
