@@ -104,7 +104,33 @@ def build_checkpoint(shrunk: shrink_mod.Shrunk, folder: Path | None, out: Path, 
     for f in remote_code_files(cfg) + [p for p in _PROCESSOR_FILES if folder]:
         if folder and (folder / f).is_file():
             shutil.copy2(folder / f, out / f)
+    stand_in = stand_in_image_processor(cfg)
+    if stand_in is not None and not (out / "preprocessor_config.json").is_file():
+        (out / "preprocessor_config.json").write_text(json.dumps(stand_in, indent=2, sort_keys=True) + "\n")
     return notes
+
+
+# Qwen-VL-style wrappers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the image processor reads only
+# patch / temporal patch / merge sizes, which the published vision_config carries
+_QWEN_VL_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                       "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
+                       "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
+
+
+def stand_in_image_processor(cfg: dict) -> dict | None:
+    """A preprocessor_config.json for a wrapper whose image processor is fixed by its
+    vision_config (Qwen-VL family), or None where the rehearsal cannot stand one in."""
+    vision = cfg.get("vision_config")
+    processor = _QWEN_VL_PROCESSORS.get(cfg.get("model_type"))
+    if not isinstance(vision, dict) or processor is None:
+        return None
+    sizes = {k: vision.get(k) for k in ("patch_size", "temporal_patch_size", "spatial_merge_size")}
+    if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+        return None
+    return {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": processor,
+            "patch_size": sizes["patch_size"], "temporal_patch_size": sizes["temporal_patch_size"],
+            "merge_size": sizes["spatial_merge_size"], "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 
 
 def _build_hf(cfg: dict, out: Path, family: str) -> None:
@@ -174,9 +200,12 @@ def plan(model: str | Path, layer_ids: list[int] | None, tensor_parallel_size: i
                      f"vLLM's own {cfg['model_type']} classes (as without trust_remote_code)")
     if isinstance(cfg.get("vision_config"), dict) and cfg["model_type"] != "kimi_k25" and not (
             folder and (folder / "preprocessor_config.json").is_file()):
-        raise CannotRehearse(f"{cfg['model_type']} is a multimodal wrapper: vLLM loads its image processor at "
-                             "start, so the rehearsal needs the model folder with preprocessor_config.json "
-                             "(a config.json alone is not enough)")
+        if stand_in_image_processor(cfg) is None:
+            raise CannotRehearse(f"{cfg['model_type']} is a multimodal wrapper: vLLM loads its image processor at "
+                                 "start, so the rehearsal needs the model folder with preprocessor_config.json "
+                                 "(a config.json alone is not enough)")
+        notes.append("the image processor: a stand-in from vision_config's patch and merge sizes (no "
+                     "preprocessor_config.json beside config.json; prompts are text only)")
     tc = shrink_mod.text_config(cfg)
     n = tc.get("num_hidden_layers")
     if not isinstance(n, int):

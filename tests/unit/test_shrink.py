@@ -144,3 +144,22 @@ def test_tensor_parallel_size_must_be_positive(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_cfg()))
     with pytest.raises(rehearsal.CannotRehearse, match="--tensor-parallel-size: expected a positive integer; found 0"):
         rehearsal.rehearse(tmp_path, tensor_parallel_size=0, workdir=tmp_path / "keep")
+
+
+def test_a_qwen_vl_wrapper_from_config_alone_gets_a_stand_in_image_processor(tmp_path):
+    """Qwen3.5's published config.json alone: the plan goes ahead with a note, and the stand-in
+    takes the patch and merge sizes from vision_config; a wrapper outside the Qwen-VL family, or
+    one whose vision_config lacks the sizes, is still one line naming preprocessor_config.json."""
+    cfg = json.loads((CONFIGS / "qwen3.5-27b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = rehearsal.plan(tmp_path, None, 1, None)
+    assert any("image processor: a stand-in" in n for n in p["notes"]), p["notes"]
+    got = rehearsal.stand_in_image_processor(cfg)
+    v = cfg["vision_config"]
+    assert (got["patch_size"], got["temporal_patch_size"], got["merge_size"]) == (
+        v["patch_size"], v["temporal_patch_size"], v["spatial_merge_size"])
+    for bad in (dict(cfg, model_type="llava"), dict(cfg, vision_config=dict(v, patch_size=None))):
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        assert rehearsal.stand_in_image_processor(bad) is None
+        with pytest.raises(rehearsal.CannotRehearse, match="needs the model folder with preprocessor_config.json"):
+            rehearsal.plan(tmp_path, None, 1, None)
