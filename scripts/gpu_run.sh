@@ -59,6 +59,9 @@ for v in 0.3.0 0.4.0.1; do
 done
 cell() {  # speculators-version arch [extra runner args]
   local v=$1 a=$2 n=${CELL_NAME:-$2}; shift 2
+  # CELL_ONLY="0.4.0.1:deepseek_v3 0.3.0:kimi_k25_int4_vllmref": run only these cells (version:name); a pair of a step
+  # then runs one after the other (e.g. --settle's second engine without a neighbour's memory moving under its profile)
+  if [ -n "${CELL_ONLY:-}" ] && [[ " $CELL_ONLY " != *" $v:$n "* ]]; then return 0; fi
   PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-$v:$SITE timeout 420 python3 -m speculators_compat_testbed.e2e_runner \
     --arch "$a" --out "$OUT/e2e_spec-${v}_${n}.json" --gpu-memory-utilization 0.15 "$@" ${CELL_EXTRA:-} > "$OUT/e2e_spec-${v}_${n}.log" 2>&1
   echo "cell $v $a rc=$?"

@@ -4,6 +4,7 @@ one row per released config, one column per result file (verdict, wall time, wor
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,10 @@ def cell(r: dict | None) -> str:
     elif settled.get("cases"):
         same = sum(c["identical"] for c in settled["cases"].values())
         worst += f"; own forward: {same}/{sum(c['rows'] for c in settled['cases'].values())} rows bit-identical"
+    failure = (r.get("failure") or {}).get("message") or ""
+    if verdict == "fail" and failure and not rows:  # failed before any row: the cause, as the worker gave it
+        cause = re.search(r"(\w+Error: .*?)(?:\n|$)", failure.split("Causes recorded by the workers", 1)[-1])
+        worst = f": {(cause.group(1) if cause else failure.splitlines()[0])[:80]}"
     return f"**{verdict}** ({wall:.0f} s{worst})"
 
 
