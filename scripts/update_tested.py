@@ -293,6 +293,11 @@ class Cell:
             return _one_line(self.failures[0], limit)
         ref = "vLLM's own forward" if str(self.data.get("reference")).startswith("vllm") else "HF"
         bad = self.failures or self.flaws
+        settled = self.data.get("settled") or {}
+        if self.failures and settled.get("settled"):  # --settle: the second reference agreed in every row
+            rows = sum(c["rows"] for c in settled["cases"].values())
+            return _one_line(f"differs from {ref}; every one of {rows:,} rows bit-identical to vLLM's own "
+                             "forward scheduled as the generator (engine numerics, settled)", limit)
         return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if self.failures else "; ".join(bad), limit)
 
     def error_type(self) -> str:
@@ -423,7 +428,7 @@ def rows_from(grouped: dict, head_tree: str | None) -> list[dict]:
             evidence += f"; variants passed at HEAD: {', '.join(ok_variants)}"
         for a, c in sorted(cur_variants.items()):
             if not c.passed:
-                evidence += f"; variant {a} (exploratory, not counted) failed: {c.error_line(100)}"
+                evidence += f"; variant {a} (exploratory, not counted) failed: {c.error_line(160)}"
         old_variants = sorted(a for a in variants if a not in cur_variants)
         if old_variants:
             evidence += f"; earlier variants (stale): {', '.join(old_variants)}"

@@ -115,6 +115,22 @@ def test_failures_at_head_are_broken_never_rejudged(mutate):
     assert row["status"] == "broken", row
 
 
+def test_a_settled_variant_is_named_settled_and_an_unsettled_one_a_mismatch():
+    failing = good("deepseek_v3")
+    failing["passed"] = False
+    failing["cases"]["chunked"].update(passed=False, max_error=4.7e-2)
+    settled = copy.deepcopy(failing)
+    settled["settled"] = {"settled": True, "cases": {"mixed": {"rows": 10, "identical": 10},
+                                                     "chunked": {"rows": 30, "identical": 30}}}
+    unsettled = copy.deepcopy(failing)
+    unsettled["settled"] = {"settled": False, "cases": {"chunked": {"rows": 30, "identical": 29}}}
+    line = ut.Cell(Path("s.json"), settled).error_line(200)
+    assert "every one of 40 rows bit-identical" in line and "mismatch" not in line, line
+    for data in (failing, unsettled):
+        line = ut.Cell(Path("u.json"), data).error_line(200)
+        assert line.startswith("mismatch vs HF (chunked"), line
+
+
 def test_committed_table_agrees_with_committed_results():
     """`update_tested.py --check` on this checkout (also run by `make unit`)."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "update_tested.py"), "--check"],
