@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.rehearsal]
 
 pytest.importorskip("vllm")
 pytest.importorskip("speculators")
