@@ -41,7 +41,10 @@ def main() -> int:
     ap.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results/rehearsal)")
     ap.add_argument("--controls", default=None,
                     help="JSON {slug: patch id} to leave out in a second run (must fail naming it)")
+    ap.add_argument("--check-args", default="",
+                    help="more arguments for every check --model, e.g. '--tensor-parallel-size 2' (recorded)")
     args = ap.parse_args()
+    extra = args.check_args.split()
     from speculators_compat_testbed.provenance import provenance
 
     slugs = sorted(p.parent.name for p in CONFIGS.glob("*/config.json"))
@@ -58,14 +61,16 @@ def main() -> int:
     result["provenance"] = prov
     for slug in slugs:
         print(f"rehearsing {slug} ...", flush=True)
-        r = rehearse(slug)
+        r = rehearse(slug, extra=extra)
+        if extra:
+            r["check_args"] = extra
         r["commit"], r["src_tree"] = prov.get("commit"), prov.get("src_tree")
         result["models"][slug] = r
         print(f"  {r.get('verdict')} exit {r['exit_code']} in {r['process_wall_s']} s", flush=True)
         out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     for slug, pid in (json.loads(args.controls) if args.controls else {}).items():
         print(f"control {slug} without {pid} ...", flush=True)
-        r = rehearse(slug, {"SPECULATORS_COMPAT_PATCHES": f"-{pid}"})
+        r = rehearse(slug, {"SPECULATORS_COMPAT_PATCHES": f"-{pid}"}, extra)
         r["commit"], r["src_tree"] = prov.get("commit"), prov.get("src_tree")
         msg = json.dumps(r.get("failure") or {})
         r["left_out"] = pid
