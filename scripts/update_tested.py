@@ -294,8 +294,9 @@ class Cell:
         ref = "vLLM's own forward" if str(self.data.get("reference")).startswith("vllm") else "HF"
         bad = self.failures or self.flaws
         settled = self.data.get("settled") or {}
-        if self.failures and settled.get("settled"):  # --settle: the second reference agreed in every row
-            rows = sum(c["rows"] for c in settled["cases"].values())
+        cases = settled.get("cases") or {}
+        if self.failures and settled.get("settled") and cases and all(c["identical"] == c["rows"] for c in cases.values()):
+            rows = sum(c["rows"] for c in cases.values())  # --settle: the second reference agreed in every row
             return _one_line(f"differs from {ref}; every one of {rows:,} rows bit-identical to vLLM's own "
                              "forward scheduled as the generator (engine numerics, settled)", limit)
         return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if self.failures else "; ".join(bad), limit)

@@ -126,7 +126,9 @@ def test_a_settled_variant_is_named_settled_and_an_unsettled_one_a_mismatch():
     unsettled["settled"] = {"settled": False, "cases": {"chunked": {"rows": 30, "identical": 29}}}
     line = ut.Cell(Path("s.json"), settled).error_line(200)
     assert "every one of 40 rows bit-identical" in line and "mismatch" not in line, line
-    for data in (failing, unsettled):
+    miscounted = copy.deepcopy(settled)  # the flag alone is not taken: every case's rows must all agree
+    miscounted["settled"]["cases"]["chunked"]["identical"] = 29
+    for data in (failing, unsettled, miscounted):
         line = ut.Cell(Path("u.json"), data).error_line(200)
         assert line.startswith("mismatch vs HF (chunked"), line
 
