@@ -84,8 +84,8 @@ if [[ " $STEPS " == *" e2e "* ]]; then
 fi
 if [[ " $STEPS " == *" rehearse "* ]]; then
   echo "== check --model on the released configs (tests/data/released_configs), speculators 0.4.0.1"
-  # REHEARSE_ARGS: more check --model arguments (serial runs only), e.g. "--tensor-parallel-size 2" on nvidia-h200-x2
-  # with REHEARSE_LABEL_TAG=_tp2 (the result file's name)
+  # REHEARSE_ARGS: more check --model arguments, e.g. "--tensor-parallel-size 2" on nvidia-h200-x2, with
+  # REHEARSE_LABEL_TAG=_tp2 (the result file's name)
   VV=$(PYTHONPATH=$SITE python3 -c 'from importlib.metadata import version; print(version("vllm"))')
   DENSE_ONLY=${REHEARSE_DENSE-gemma-3-1b-it,llama-3.1-8b-instruct,mistral-7b-v0.1,qwen3-8b}
   MOE_ONLY=${REHEARSE_MOE:-}
@@ -97,7 +97,8 @@ if [[ " $STEPS " == *" rehearse "* ]]; then
       for slug in ${only//,/ }; do
         SPECULATORS_COMPAT_KV_CACHE_BYTES=4000000000 SPECULATORS_COMPAT_REHEARSAL_GPU_MEM=0.12 SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend \
           PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${REHEARSE_TIMEOUT:-500} python3 scripts/rehearse_released.py \
-          --label "gpu_spec-0.4.0.1_vllm-${VV}_$slug" --only "$slug" --out-dir "$OUT" > "$OUT/rehearse_$slug.log" 2>&1 & pids+=($!)
+          --label "gpu_spec-0.4.0.1_vllm-${VV}${REHEARSE_LABEL_TAG:-}_$slug" --only "$slug" --out-dir "$OUT" \
+          ${REHEARSE_ARGS:+--check-args "$REHEARSE_ARGS"} > "$OUT/rehearse_$slug.log" 2>&1 & pids+=($!)
       done
       wait "${pids[@]}"
       continue

@@ -30,8 +30,10 @@ def cell(r: dict | None) -> str:
         worst += f"; own forward: {same}/{sum(c['rows'] for c in settled['cases'].values())} rows bit-identical"
     failure = (r.get("failure") or {}).get("message") or ""
     if verdict == "fail" and failure and not rows:  # failed before any row: the cause, as the worker gave it
-        cause = re.search(r"(\w+Error: .*?)(?:\n|$)", failure.split("Causes recorded by the workers", 1)[-1])
-        worst = f": {(cause.group(1) if cause else failure.splitlines()[0])[:80]}"
+        lines = failure.split("Causes recorded by the workers", 1)[-1].strip().splitlines()
+        line = next((x for x in lines if re.search(r"\w+Error: ", x)), lines[0]).strip()
+        causes = re.findall(r"\w+Error: ", line)  # the innermost of the chained "XError: YError: ..."
+        worst = f": {line[line.rindex(causes[-1]):] if causes else line}"[:82]
     return f"**{verdict}** ({wall:.0f} s{worst})"
 
 

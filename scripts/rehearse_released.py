@@ -31,6 +31,8 @@ def rehearse(slug: str, env_extra: dict | None = None, extra: list[str] | None =
         out = {"verdict": "cannot", "stdout_tail": proc.stdout[-1500:], "stderr_tail": proc.stderr[-1500:]}
     out.pop("model", None)  # a machine path
     out.update(exit_code=proc.returncode, process_wall_s=round(wall, 1))
+    if extra:
+        out["check_args"] = extra
     return out
 
 
@@ -62,8 +64,6 @@ def main() -> int:
     for slug in slugs:
         print(f"rehearsing {slug} ...", flush=True)
         r = rehearse(slug, extra=extra)
-        if extra:
-            r["check_args"] = extra
         r["commit"], r["src_tree"] = prov.get("commit"), prov.get("src_tree")
         result["models"][slug] = r
         print(f"  {r.get('verdict')} exit {r['exit_code']} in {r['process_wall_s']} s", flush=True)
