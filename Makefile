@@ -78,7 +78,9 @@ train-check: bed-tools
 	  GEN=$$($(PY) scripts/bed.py python --speculators 0.4.0.1 --vllm 0.32.0); \
 	  TRAIN=$$($(PY) scripts/bed.py python --speculators 0.4.0.1 --vllm none); \
 	  VLLM_CPU_KVCACHE_SPACE=1 $$GEN tests/e2e/script_pipeline.py $(TRAIN_CHECK_WORK); \
-	  TRAIN_CHECK_DATA=$(abspath $(TRAIN_CHECK_WORK))/out $$TRAIN -m pytest -m train tests/train -q -rs
+	  SPECULATORS_COMPAT_STORE_DTYPE=fp8 VLLM_CPU_KVCACHE_SPACE=1 $$GEN tests/e2e/script_pipeline.py $(TRAIN_CHECK_WORK)/fp8; \
+	  TRAIN_CHECK_DATA=$(abspath $(TRAIN_CHECK_WORK))/out TRAIN_CHECK_DATA_FP8=$(abspath $(TRAIN_CHECK_WORK))/fp8/out \
+	    TRAIN_CHECK_OUT=$(abspath benchmarks/results/train/fp8_vs_bf16.json) $$TRAIN -m pytest -m train tests/train -q -rs -s
 
 # CPU benchmarks on the test bed, then the plot (GPU results: scripts/gpu_run.sh, see README)
 bench: dev

@@ -31,6 +31,9 @@ The warm-up (one A run, which also yields the token ids, then B's engine start a
 is timed and reported apart. B's engine stays up (idle) while A's subprocess runs; vLLM's idle
 workers wait on a socket, not spinning.
 
+``--fp8-side`` adds F, the script with ``SPECULATORS_COMPAT_STORE_DTYPE=fp8``, to the rotation (its
+ratios to B and its bytes per token against A's).
+
     python benchmarks/job_throughput.py --hidden 128 --layers 4 --n 8 --batch-size 4 --reps 2 --out r.json
 """
 
@@ -64,6 +67,10 @@ _MARKS = {
     "done": "Data generation complete",
 }
 _TS = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - ")
+
+
+_TIMING = re.compile(r"speculators_compat timing: loop ([\d.]+) s over (\d+) batch\(es\): generate ([\d.]+) s "
+                     r"\(first batch ([\d.]+) s\), waiting for saves ([\d.]+) s")
 
 
 def _ts(match: re.Match) -> float:
@@ -128,7 +135,7 @@ def class_of(n_tok: int) -> str:
     return "other"
 
 
-def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str) -> dict:
+def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str, extra_env: dict | None = None) -> dict:
     """One end-to-end run of the released script under ``speculators-compat run``."""
     run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -151,6 +158,7 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_DATASETS_OFFLINE"] = "1"
+    env.update(extra_env or {})
     t_start = time.time()
     p0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.script_timeout)
@@ -163,6 +171,10 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
         res["stderr_tail"] = proc.stderr[-3000:]
         return res
     m = parse_marks(proc.stderr + "\n" + proc.stdout)
+    t = _TIMING.search(proc.stderr + "\n" + proc.stdout)  # the shim's own line: where the loop's time went
+    if t:
+        res["loop_timing"] = {"loop_s": float(t[1]), "batches": int(t[2]), "generate_s": float(t[3]),
+                              "first_batch_s": float(t[4]), "blocked_on_saves_s": float(t[5])}
     missing = [k for k in _MARKS if k not in m]
     if missing:
         res["missing_marks"] = missing
@@ -184,6 +196,7 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     res["files"] = len(files)
     res["tokens"] = sum(lengths.values())
     res["bytes_written"] = sum(f.stat().st_size for f in files)
+    res["bytes_per_token"] = res["bytes_written"] / max(1, sum(lengths.values()))
     res["_lengths"] = [lengths[str(i)] for i in range(len(lengths))]
     res["_out_dir"] = out_dir
     res["_files"] = files
@@ -231,6 +244,8 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the runs' output files")
     p.add_argument("--script-timeout", type=float, default=600)
     p.add_argument("--out", default=None)
+    p.add_argument("--fp8-side", action="store_true",
+                   help="a third side F: the script with SPECULATORS_COMPAT_STORE_DTYPE=fp8, in the same rotation")
     args = p.parse_args()
     n = args.n or 4 * args.batch_size
 
@@ -283,14 +298,20 @@ def main() -> int:
                                     gpu_memory_utilization=args.gpu_util)
     init_b = time.perf_counter() - t
 
+    b_batch_s: list[list[float]] = []
+
     def pass_b() -> float:
         if platform == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
+        each = []
         for b in batches:
+            t1 = time.perf_counter()
             res = gen.generate(b)
             assert len(res) == len(b)
             del res
+            each.append(time.perf_counter() - t1)
+        b_batch_s.append(each)
         return time.perf_counter() - t
 
     warm_b = pass_b()
@@ -329,27 +350,43 @@ def main() -> int:
         return text
 
     write()
+    sides = ["A", "F", "B"] if args.fp8_side else ["A", "B"]
     for r in range(args.reps):
-        order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
+        order = sides[r % len(sides):] + sides[:r % len(sides)]
         rep: dict = {"order": order}
         for side in order:
-            if side == "A":
-                a = run_script(args, script, model, data, work, f"rep{r}_a")
+            if side in ("A", "F"):
+                env = {"SPECULATORS_COMPAT_STORE_DTYPE": "fp8"} if side == "F" else None
+                a = run_script(args, script, model, data, work, f"rep{r}_{side.lower()}", env)
                 if a["returncode"] != 0:
                     print(a.get("stderr_tail", ""), file=sys.stderr)
                     return 1
                 a["same_samples_as_warmup"] = a["_lengths"] == lengths
                 if not args.keep:
                     shutil.rmtree(a["_run_dir"], ignore_errors=True)
-                rep["A"] = public(a)
+                rep[side] = public(a)
             else:
                 s = pass_b()
-                rep["B"] = {"seconds": s, "tokens": tokens, "tok_s": tokens / s}
+                rep["B"] = {"seconds": s, "tokens": tokens, "tok_s": tokens / s, "first_batch_s": b_batch_s[-1][0],
+                            "after_first_s": sum(b_batch_s[-1][1:])}
         b = rep["B"]["tok_s"]
         a = rep["A"]
         rep["ratio_generate_phase"] = a.get("tok_s_generate_phase", float("nan")) / b
         rep["ratio_ex_engine"] = a.get("tok_s_ex_engine", float("nan")) / b
         rep["ratio_job"] = a["tok_s_job"] / b
+        # warm-up apart: both sides without their first batch (A's engine is fresh; B's has run before)
+        first_tokens = sum(len(x) for x in batches[0])
+        b_steady = (tokens - first_tokens) / rep["B"]["after_first_s"]
+        for side in ("A", "F"):
+            lt = rep.get(side, {}).get("loop_timing")
+            if lt and "generate_phase_s" in rep[side]:
+                rep[f"{side}_ratio_generate_phase_after_first_batch"] = (
+                    (tokens - first_tokens) / (rep[side]["generate_phase_s"] - lt["first_batch_s"]) / b_steady)
+        if "F" in rep:
+            f = rep["F"]
+            rep["F_ratio_generate_phase"] = f.get("tok_s_generate_phase", float("nan")) / b
+            rep["F_ratio_job"] = f["tok_s_job"] / b
+            rep["F_bytes_ratio"] = f["bytes_per_token"] / a["bytes_per_token"]
         reps.append(rep)
         print(json.dumps(rep), flush=True)
         write()
@@ -372,7 +409,19 @@ def main() -> int:
         },
         "B_median_s": statistics.median(r["B"]["seconds"] for r in reps),
         "engine_init_s": {"A_median": statistics.median(r["A"]["engine_init_s"] for r in reps), "B": init_b},
+        "A_bytes_per_token": statistics.median(r["A"]["bytes_per_token"] for r in reps),
     }
+    for side in ("A", "F"):
+        key = f"{side}_ratio_generate_phase_after_first_batch"
+        if all(key in r for r in reps):
+            summary[key] = stats([r[key] for r in reps])
+    if args.fp8_side:
+        summary.update({
+            "F_ratio_generate_phase": stats([r["F_ratio_generate_phase"] for r in reps]),
+            "F_ratio_job": stats([r["F_ratio_job"] for r in reps]),
+            "F_bytes_per_token": statistics.median(r["F"]["bytes_per_token"] for r in reps),
+            "F_bytes_ratio": stats([r["F_bytes_ratio"] for r in reps]),
+        })
     print(json.dumps(summary), flush=True)
     out["summary"] = summary
     out["complete"] = True

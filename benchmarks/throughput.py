@@ -288,6 +288,7 @@ def main() -> int:
             _device_reset(gen, llm, xllm)
         shim_s, native_s, extract_s, shim1_s, phases, orders = [], [], [], [], [], []
         nocheck_s: list[float] = []
+        nocheck_phases: list[dict] = []
         if args.self_check_control:  # its warm-up, apart like the others
             os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = "0"
             t = time.perf_counter()
@@ -314,6 +315,7 @@ def main() -> int:
                 t = time.perf_counter()
                 res = gen.generate(prompts)
                 nocheck_s.append(time.perf_counter() - t)
+                nocheck_phases.append(dict(getattr(gen, "_speculators_compat_timings", {}) or {}))
             finally:
                 del os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"]
             assert len(res) == len(prompts) and res[0]["hidden_states"][0].shape[0] == plen
@@ -386,6 +388,11 @@ def main() -> int:
             row["self_check_cost_max"] = max(cost)
             row["self_check_cost_median_ci95"] = median_ci95(cost)
             row["self_check_tally"] = getattr(gen, "_speculators_compat_self_check", None)
+            row["shim_nocheck_phase_median_s"] = {  # where the self-check's time goes (vs shim_phase_median_s)
+                k: statistics.median(p[k] for p in nocheck_phases)
+                for k in (nocheck_phases[0] if nocheck_phases else {})
+                if k != "iterations" and isinstance(nocheck_phases[0][k], (int, float))
+            }
         if extract_s:
             row["vllm_extract_tok_s"] = [tokens / s for s in extract_s]
             row["vllm_extract_median_tok_s"] = tokens / statistics.median(extract_s)

@@ -11,6 +11,8 @@
 # Steps: install the bundle (vLLM 0.24 + deps) into $TMPDIR/site, speculators 0.3.0 and 0.4.0.1
 # into their own folders; then e2e cells (llama, qwen3) x (0.3.0, 0.4.0.1) against HF on the same
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
+# JOB_SHAPE / JOB_ARGS / JOB_TAG: the job step's model shape, extra arguments (e.g. --fp8-side: the script with FP8
+# storage as a third side) and result-name suffix.
 # GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
@@ -203,9 +205,9 @@ if [[ " $STEPS " == *" job "* ]]; then
   PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
     || echo "job: the script's imports fail (datasets missing? carry .gpu/job-whl)"
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${JOB_TIMEOUT:-300} python3 benchmarks/job_throughput.py \
-    --hidden 2048 --layers 8 --n 32 --batch-size 8 --seq-length 2048 --reps ${JOB_REPS:-2} --gpu-util 0.4 \
-    --script tests/e2e/speculators_scripts/v0.4.0.1/data_generation_offline.py --work "$SCRATCH/job" \
-    --script-timeout 150 --out "$OUT/job_throughput_h200.json" > "$OUT/job_throughput_h200.log" 2>&1; echo "job rc=$?"
+    ${JOB_SHAPE:---hidden 2048 --layers 8 --n 32 --batch-size 8} --seq-length 2048 --reps ${JOB_REPS:-2} --gpu-util 0.4 \
+    --script tests/e2e/speculators_scripts/v0.4.0.1/data_generation_offline.py --work "$SCRATCH/job" ${JOB_ARGS:-} \
+    --script-timeout 150 --out "$OUT/job_throughput_h200${JOB_TAG:-}.json" > "$OUT/job_throughput_h200${JOB_TAG:-}.log" 2>&1; echo "job rc=$?"
   for f in "$SCRATCH"/job/*.script.log; do [ -f "$f" ] && cp "$f" "$OUT/job_$(basename "$f" .script.log)_script.log"; done
   rm -rf "$SCRATCH/job"
 fi

@@ -39,6 +39,7 @@ HOOK_MODULES = (
     "speculators.data_generation.config_generator",
     "speculators.data_generation.preprocessing",
     "vllm.v1.executor.multiproc_executor",
+    "speculators.train.data",
 )
 
 

@@ -10,11 +10,13 @@ against its manifest. Nothing here imports vLLM; torch only when a file is writt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,12 +97,13 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
-    """``path`` holds either its old content or ``data``, never a part of it."""
+@contextlib.contextmanager
+def _atomic(path: Path, fsync: bool):
+    """Yields a file open for writing under a temporary name; renamed to ``path`` on success."""
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -110,6 +113,12 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
         raise
     if fsync:
         _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
+    """``path`` holds either its old content or ``data``, never a part of it."""
+    with _atomic(path, fsync) as f:
+        f.write(data)
 
 
 class _HashingWriter:
@@ -132,18 +141,9 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     """``torch.save(obj)`` to ``path`` through a temporary name; returns (bytes, sha256 hex)."""
     import torch
 
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            w = _HashingWriter(f)
-            torch.save(obj, w)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _atomic(path, fsync) as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
     return w.size, w.sha.hexdigest()
 
 
@@ -237,7 +237,7 @@ class Manifest:
 # (the model by its config.json's hash where it is a local folder, else by its name; the data by
 # the preprocessed samples, not by the paths they were read from)
 IDENTITY = ("format", "model_config_sha256", "seq_length", "max_samples", "seed", "assistant_pattern",
-            "turn_dropout", "layer_ids", "start_idx", "num_samples", "dataset_probe")
+            "turn_dropout", "layer_ids", "start_idx", "num_samples", "dataset_probe", "storage")
 
 
 def identity_mismatch(old: dict, new: dict) -> str | None:
@@ -264,10 +264,13 @@ def model_config_sha256(model_path: str) -> str | None:
 
 class SaveQueue:
     """Saves on ``workers`` threads with at most ``limit_bytes`` of samples in flight (one sample
-    may exceed it alone); a failed save is raised by the next ``submit`` or by ``drain``."""
+    may exceed it alone); a failed save is raised by the next ``submit`` or by ``drain``.
+    ``encode(index, sample)`` (optional) gives (what is saved, extra manifest fields), on the save threads."""
 
-    def __init__(self, manifest: Manifest, workers: int, limit_bytes: int, fsync: bool, on_saved=None):
+    def __init__(self, manifest: Manifest, workers: int, limit_bytes: int, fsync: bool, on_saved=None,
+                 encode=None):
         self._manifest, self._fsync, self._on_saved = manifest, fsync, on_saved
+        self._encode = encode  # (index, sample) -> (what is saved, fields for its manifest line)
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="speculators-compat-save")
         self._limit = limit_bytes
         self._cond = threading.Condition()
@@ -276,12 +279,15 @@ class SaveQueue:
         self._error: BaseException | None = None
         self.peak_inflight = 0
         self.saved = 0
+        self.blocked_s = 0.0  # time submit() waited for room (the disk or the encoding behind)
 
     def submit(self, index: int, name: str, obj: dict, tokens: int, layer_ids: list[int]) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in obj["hidden_states"])
         with self._cond:
+            t = time.perf_counter()
             while self._error is None and self._inflight and self._inflight + nbytes > self._limit:
                 self._cond.wait()
+            self.blocked_s += time.perf_counter() - t
             self._raise()
             self._inflight += nbytes
             self._pending += 1
@@ -290,9 +296,12 @@ class SaveQueue:
 
     def _save(self, index, name, obj, tokens, layer_ids, nbytes) -> None:
         try:
+            extra: dict = {}
+            if self._encode is not None:
+                obj, extra = self._encode(index, obj)
             size, sha = save_tensor_file(obj, self._manifest.folder / name, self._fsync)
             self._manifest.append({"file": name, "index": index, "tokens": tokens, "layer_ids": layer_ids,
-                                   "bytes": size, "sha256": sha})
+                                   "bytes": size, "sha256": sha, **extra})
             if self._on_saved is not None:
                 self._on_saved()
         except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
@@ -422,13 +431,20 @@ def verify(folder: Path, checksums: bool = True) -> tuple[dict, list[Defect]]:
     summary = {"folder": str(folder), "expected_files": n, "recorded_files": sum(i in m.files for i in expected),
                "complete": complete, "checksums": checksums, "model": m.run.get("model"),
                "layer_ids": layers, "seq_length": m.run.get("seq_length"),
-               "versions": m.run.get("versions"), "self_checks": len(m.self_checks),
+               "versions": m.run.get("versions"), "storage": m.run.get("storage") or "as captured",
+               "fp8_max_rel_error": _fp8_worst(m.files.values()), "self_checks": len(m.self_checks),
                "self_check_max_error": max((c.get("max_rel_error", 0.0) for c in m.self_checks
                                             if c.get("kind") != "engine"), default=None),
                "engine_self_check_rows": sum(c.get("rows", 0) for c in m.self_checks
                                              if c.get("kind") == "engine" and c.get("verdict") == "pass"),
                "defects": len(defects)}
     return summary, defects
+
+
+def _fp8_worst(records) -> list[float] | None:
+    """Per layer, the largest FP8 row error of the files whose error was measured (None: none was)."""
+    errs = [r["fp8_rel_error"]["max"] for r in records if r.get("fp8_rel_error")]
+    return [max(col) for col in zip(*errs)] if errs else None
 
 
 def cmd_verify(args) -> int:

@@ -80,6 +80,9 @@ SETTINGS: dict[str, Setting] = {
                 "0: speculators' choice", minimum=-1),
         Setting("SPECULATORS_COMPAT_SAVE_BUFFER_MB", "number", 2048.0,
                 "the script's samples waiting to be saved, at most (MiB); the loop waits beyond it", minimum=0),
+        Setting("SPECULATORS_COMPAT_STORE_DTYPE", "text", "auto",
+                "speculators' script under `run`: `fp8` stores hidden states as float8 e4m3 with a scale per row "
+                "(half the bytes of bf16; speculators' trainer reads them under the shim) · `auto`: as captured"),
     ]
 }
 

@@ -102,7 +102,7 @@ def script_args(model_dir: Path, data: Path, out_dir: Path, work: Path) -> list[
     ]
 
 
-def run_script(work: Path, timeout: float = 1500, launcher: bool = True) -> dict:
+def run_script(work: Path, timeout: float = 1500, launcher: bool = True, extra_env: dict | None = None) -> dict:
     """Run the released script on the chat data with the tiny model; return what happened."""
     work.mkdir(parents=True, exist_ok=True)
     data = write_chat_jsonl(work / "chat.jsonl")
@@ -116,6 +116,7 @@ def run_script(work: Path, timeout: float = 1500, launcher: bool = True) -> dict
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_DATASETS_OFFLINE"] = "1"
+    env.update(extra_env or {})
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     elapsed = time.perf_counter() - start
@@ -140,7 +141,8 @@ def main(argv: list[str]) -> int:
         return 2
     import speculators_compat  # noqa: F401  (the tiny-model factory imports transformers)
 
-    r = run_script(Path(argv[0]).resolve())
+    store = os.environ.get("SPECULATORS_COMPAT_STORE_DTYPE")  # make train-check: both formats
+    r = run_script(Path(argv[0]).resolve(), extra_env={"SPECULATORS_COMPAT_STORE_DTYPE": store} if store else None)
     print(f"script exit {r['returncode']} in {r['seconds']:.0f} s; files in {r['out_dir']}")
     if r["returncode"] != 0:
         print(r["stderr"][-3000:], file=sys.stderr)

@@ -161,3 +161,56 @@ def test_without_the_launcher_the_script_does_not_complete(run, tmp_path):
     complete = plain["returncode"] == 0 and (plain["out_dir"] / "data_config.json").exists()
     assert not complete, "speculators' script completed without the shim: the launcher test proves nothing here"
     assert re.search(r"Error|error", plain["stderr"]), plain["stderr"][-2000:]
+
+
+# -- SPECULATORS_COMPAT_STORE_DTYPE=fp8: half the bytes, the same rows within e4m3's own error -----
+
+FP8_BOUND = 2.0**-4 + 2.0**-8  # e4m3's half step + bf16 rounding (tests/contract/test_fp8_storage.py)
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    r = sp.run_script(tmp_path_factory.mktemp("script_fp8"), extra_env={"SPECULATORS_COMPAT_STORE_DTYPE": "fp8"})
+    assert r["returncode"] == 0, f"script failed (exit {r['returncode']}); stderr tail:\n{r['stderr'][-4000:]}"
+    return r
+
+
+def test_fp8_storage_halves_the_bytes_and_keeps_every_row(run, files, fp8_run):
+    import torch
+
+    from speculators_compat import output, storage
+
+    out = fp8_run["out_dir"]
+    total_bf16 = total_fp8 = 0
+    worst = 0.0
+    for i, f in enumerate(files):
+        path = out / f"data_{i}.pt"
+        raw = torch.load(path, weights_only=True)
+        assert "hidden_states" not in raw and raw[storage.FORMAT_KEY] == storage.FORMAT_FP8
+        total_fp8 += path.stat().st_size
+        total_bf16 += (run["out_dir"] / f"data_{i}.pt").stat().st_size
+        back = storage.decode(raw)
+        assert torch.equal(back["input_ids"], f["input_ids"]) and torch.equal(back["loss_mask"], f["loss_mask"])
+        for k, (got, want) in enumerate(zip(back["hidden_states"], f["hidden_states"])):
+            rows = _row_errors(got, want)
+            assert float(rows.max()) <= FP8_BOUND, f"data_{i}.pt layer {sp.LAYER_IDS[k]}: max {float(rows.max()):.3e}"
+            assert float(rows.mean()) > 1e-3  # really rounded to e4m3
+            worst = max(worst, float(rows.max()))
+            if got.shape[0] > 1:  # one row off is far outside the bound
+                assert _row_errors(got[1:], want[:-1]).max().item() > 3 * FP8_BOUND
+    ratio = total_fp8 / total_bf16
+    print(f"\nFP8 files: {ratio:.3f} of the bf16 files' bytes; largest row error vs bf16 {worst:.3e}")
+    assert ratio < 0.6, ratio
+    summary, defects = output.verify(out)
+    assert not defects, [str(d) for d in defects]
+    assert summary["storage"] == storage.FORMAT_FP8 and summary["fp8_max_rel_error"]
+    assert max(summary["fp8_max_rel_error"]) <= FP8_BOUND
+    config = json.loads((out / "data_config.json").read_text())
+    assert config[storage.FORMAT_KEY]["format"] == storage.FORMAT_FP8
+    assert "data stored as fp8_e4m3fn/row" in fp8_run["stderr"] + fp8_run["stdout"]
+
+
+def test_a_folder_is_resumed_only_in_the_format_it_holds(fp8_run):
+    again = sp.run_script(fp8_run["work"], timeout=600)  # same folder, default storage
+    assert again["returncode"] != 0
+    assert "storage: expected 'fp8_e4m3fn/row'" in again["stderr"], again["stderr"][-2000:]

@@ -24,6 +24,9 @@ import pytest
 pytestmark = pytest.mark.train
 
 DATA = os.environ.get("TRAIN_CHECK_DATA")
+DATA_FP8 = os.environ.get("TRAIN_CHECK_DATA_FP8")  # the same extraction with SPECULATORS_COMPAT_STORE_DTYPE=fp8
+CURVE_OUT = os.environ.get("TRAIN_CHECK_OUT")  # where the FP8-vs-bf16 loss curves are written (JSON)
+CURVE_STEPS = 40
 TRAIN_PY = Path(__file__).resolve().parents[1] / "e2e" / "speculators_scripts" / "v0.4.0.1" / "train.py"
 TRAIN_PY_SHA256 = "95762e0c0ddb5fc68e0b1cee36d378a9f8a4d656718c742bc324ef2f2ddeaffa"
 TOTAL_SEQ_LEN = 512
@@ -71,12 +74,13 @@ def test_speculators_dataset_reads_every_file(files):
         assert torch.isfinite(item["hidden_states"]).all()
 
 
-def test_a_few_training_steps_give_a_finite_falling_loss(train, files):
+def _losses(train, files: list[str], steps: int, seed: int = 0) -> list[float]:
+    """speculators' Eagle-3 draft trained ``steps`` steps on ``files`` (speculators' loader, noise on)."""
     import torch
     from speculators.model import SpeculatorModel
     from speculators_compat_testbed.tiny_models import build_tiny_model
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     verifier = str(build_tiny_model("llama"))  # the same tiny Llama the data was extracted from
     layer_config = train.create_transformer_layer_config(verifier, num_layers=1, draft_arch="llama")
     if SpeculatorModel.registry_auto_discovery:
@@ -91,8 +95,8 @@ def test_a_few_training_steps_give_a_finite_falling_loss(train, files):
                                     num_workers=1, prefetch_factor=2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
-    losses = []
-    while len(losses) < STEPS:
+    losses: list[float] = []
+    while len(losses) < steps:
         for batch in loader:
             _draft, loss, _metrics = model(**batch, **train_kwargs)
             opt.zero_grad()
@@ -100,8 +104,57 @@ def test_a_few_training_steps_give_a_finite_falling_loss(train, files):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
-            if len(losses) == STEPS:
+            if len(losses) == steps:
                 break
+    return losses
+
+
+def test_a_few_training_steps_give_a_finite_falling_loss(train, files):
+    losses = _losses(train, files, STEPS)
     print(f"\nlosses over {STEPS} steps: " + " ".join(f"{x:.3f}" for x in losses))
     assert all(math.isfinite(x) for x in losses), losses
     assert min(losses[-3:]) < losses[0], f"the loss did not fall: {losses}"
+
+
+def test_fp8_files_train_like_the_bf16_files(train, files):
+    """The loss curve on the FP8 files stays closer to the bf16 curve (same seed) than two bf16
+    curves of different seeds are to each other; the same FP8 files decoded without their scales
+    (a wrong answer) do not."""
+    if not DATA_FP8:
+        pytest.skip("TRAIN_CHECK_DATA_FP8 is not set (run `make train-check`)")
+    import json
+
+    import speculators_compat
+    from speculators_compat import storage
+
+    fp8 = sorted(str(p) for p in Path(DATA_FP8).glob("data_*.pt"))
+    assert [Path(p).name for p in fp8] == [Path(p).name for p in files]
+    status = {r["id"]: r["status"] for r in speculators_compat.report()}
+    assert status["train-data-fp8"] == "applied", status["train-data-fp8"]
+    bf16_0 = _losses(train, files, CURVE_STEPS, seed=0)
+    bf16_1 = _losses(train, files, CURVE_STEPS, seed=1)
+    fp8_0 = _losses(train, fp8, CURVE_STEPS, seed=0)
+    right = storage.dequantize_rows
+    try:  # the control: FP8 values read without their per-row scales
+        storage.dequantize_rows = lambda q, scale, dtype=None: right(q, scale.new_ones(scale.shape), dtype)
+        unscaled = _losses(train, fp8, CURVE_STEPS, seed=0)
+    finally:
+        storage.dequantize_rows = right
+
+    def gap(a, b):
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+    result = {"steps": CURVE_STEPS, "bf16_seed0": bf16_0, "bf16_seed1": bf16_1, "fp8_seed0": fp8_0,
+              "fp8_unscaled_seed0": unscaled, "gap_fp8_vs_bf16": gap(fp8_0, bf16_0),
+              "gap_seed_noise": gap(bf16_1, bf16_0), "gap_unscaled_vs_bf16": gap(unscaled, bf16_0),
+              "bytes_bf16": sum(Path(p).stat().st_size for p in files),
+              "bytes_fp8": sum(Path(p).stat().st_size for p in fp8)}
+    print("\n" + json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
+    if CURVE_OUT:
+        from speculators_compat_testbed.provenance import provenance
+
+        Path(CURVE_OUT).parent.mkdir(parents=True, exist_ok=True)
+        Path(CURVE_OUT).write_text(json.dumps({"provenance": provenance(), **result}, indent=1) + "\n")
+    assert all(math.isfinite(x) for x in fp8_0), fp8_0
+    assert result["gap_fp8_vs_bf16"] < result["gap_seed_noise"], result
+    assert result["gap_unscaled_vs_bf16"] > result["gap_seed_noise"], result  # the check can fail

@@ -127,21 +127,38 @@ class RowCheck:
         for sample in self.samples:
             meta = sample.meta
             out["rows"] += len(meta)
-            if sample.ids is not None:
-                out["tokens"] += [(rid, d, t) for (rid, d), t in zip(meta, sample.ids.cpu().tolist())]
-                seen["tokens"] += len(meta)
-            if sample.pos is not None:
-                seen["positions"] += len(meta)
-                out["positions_bad"] += [(rid, d, p) for (rid, d), p in zip(meta, sample.pos.cpu().tolist()) if p != d]
-            for slot, rows in sample.layers.items():
-                host = torch.stack([buffers[rid][slot][d] for rid, d in meta])
-                # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
-                rows = rows.to(host.dtype).cpu().contiguous()
-                same = (host.view(torch.uint8) == rows.view(torch.uint8)).all(dim=1).tolist()
-                seen["copies"] += len(meta)
-                out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(meta, same) if not ok]
+            small = [t for t in (sample.ids, sample.pos) if t is not None]
+            if small:  # one transfer for both
+                host_small = torch.stack([t.long() for t in small]).cpu().tolist()
+                ids = host_small.pop(0) if sample.ids is not None else None
+                pos = host_small.pop(0) if sample.pos is not None else None
+                if ids is not None:
+                    out["tokens"] += [(rid, d, t) for (rid, d), t in zip(meta, ids)]
+                    seen["tokens"] += len(meta)
+                if pos is not None:
+                    seen["positions"] += len(meta)
+                    out["positions_bad"] += [(rid, d, p) for (rid, d), p in zip(meta, pos) if p != d]
+            gathered = {}
+            if sample.layers:
+                order = list(sample.layers)
+                exchange = {slot: torch.stack([buffers[rid][slot][d] for rid, d in meta]) for slot in order}
+                # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16); one transfer
+                computed = torch.cat([sample.layers[slot].to(exchange[slot].dtype) for slot in order]).cpu()
+                for i, slot in enumerate(order):
+                    host, rows = exchange[slot], computed[i * len(meta):(i + 1) * len(meta)].contiguous()
+                    gathered[slot] = host
+                    seen["copies"] += len(meta)
+                    a, b = host.view(torch.uint8), rows.view(torch.uint8)
+                    wide = torch.int64 if a.shape[-1] % 8 == 0 else torch.uint8
+                    if torch.equal(a.view(wide), b.view(wide)):  # bit for bit (the common case, one comparison)
+                        continue
+                    same = (a == b).all(dim=1).tolist()
+                    out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(meta, same) if not ok]
             if sample.final is not None and final_norm is not None:
-                host = torch.stack([buffers[rid][final_slot][d] for rid, d in meta]).to(sample.final.device)
+                host = gathered.get(final_slot)
+                if host is None:
+                    host = torch.stack([buffers[rid][final_slot][d] for rid, d in meta])
+                host = host.to(sample.final.device)
                 try:
                     with torch.no_grad():
                         normed = final_norm(host)

@@ -14,6 +14,7 @@ from . import (
     scheduler_request,
     speculators_import,
     speculators_script,
+    train_data,
     worker_capture,
     worker_errors,
 )
@@ -31,6 +32,7 @@ FAMILY_MODULES = (
     worker_capture,
     worker_errors,
     speculators_script,
+    train_data,
 )
 
 

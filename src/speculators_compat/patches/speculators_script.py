@@ -1,48 +1,12 @@
-"""speculators' own data-generation script (``scripts/data_generation_offline.py``) on a CPU vLLM.
+"""speculators' own ``scripts/data_generation_offline.py`` under ``speculators-compat run``.
 
-These are bugs of speculators, not vLLM changes: they stop speculators' script wherever no
-accelerator is present (vLLM's CPU build), before or after the generator has done its work.
-Versions: compat_matrix.yaml.
-
-- ``script-tp-default`` (speculators 0.3.0 and 0.4.x): the script's ``--tensor-parallel-size``
-  defaults to ``torch.accelerator.device_count()`` (its help says "default: 1"), which is 0 with
-  no accelerator; ``VllmHiddenStatesGenerator(tensor_parallel_size=0)`` then fails in vLLM's
-  ``ParallelConfig`` validation (and would build zero KV-cache configs). The patch gives the
-  class a ``__new__``: for exactly that call — ``tensor_parallel_size=0`` while
-  ``torch.accelerator.device_count()`` is 0 — it returns an instance of a subclass of the same
-  name whose constructor passes 1 instead (and logs it); every other call gets a plain instance
-  and reaches speculators' constructor unchanged (0 with devices still fails in vLLM, as before).
-  (``__new__`` because ``__init__`` is owned by ``memory-query-torch-cuda`` and the class itself
-  must stay the object the other patches are applied to.)
-- ``device-name-no-accelerator`` (speculators 0.4.x): ``save_config`` → ``DataGenerationConfig``
-  → ``_get_gpu_info`` → ``speculators.utils.util.get_device_name(0)`` asks
-  ``torch.accelerator.current_accelerator()``, which names the torch *build's* accelerator even
-  when no device is present; with a CUDA build of torch and no GPU, ``torch.cuda.get_device_name``
-  raises "Found no NVIDIA driver" after every data file was written, and ``data_config.json`` is
-  missing. The patch wraps the name ``get_device_name`` in ``config_generator`` (the namespace
-  ``_get_gpu_info`` reads at call time, also as the dataclass's default factory): with no device
-  (``torch.accelerator.device_count() == 0``) it returns speculators' own "NO ACCELERATOR", which
-  ``_get_gpu_info`` turns into "CPU ONLY"; otherwise it calls speculators' function. (0.3.0 asks
-  ``torch.cuda.is_available()`` first and is not affected.)
-- ``generator-del-partial`` (speculators 0.3.0 and 0.4.x): ``VllmHiddenStatesGenerator.__del__``
-  calls ``self.executor.shutdown()`` and logs a warning if that raises. A generator that lives
-  until interpreter exit (``gen = VllmHiddenStatesGenerator(...)`` at the top level of a script,
-  as in README's snippet) is finalised after speculators' module globals were cleared: shutdown
-  fails, the ``except`` branch's ``log.warning`` finds ``log`` set to None, and Python prints
-  ``Exception ignored in: <function VllmHiddenStatesGenerator.__del__>`` …
-  ``AttributeError: 'NoneType' object has no attribute 'warning'`` at every exit (measured:
-  0.4.0.1 on vLLM 0.32; the script itself drops its generator earlier and is not affected). The
-  patch runs speculators' ``__del__`` and drops only an ``AttributeError`` raised from it.
-- ``script-resumable-output`` (speculators 0.3.0 and 0.4.x): the script's
-  ``generate_and_save_hidden_states`` writes each ``data_N.pt`` straight to its final name, resumes
-  from the highest index + 1 (holes and a truncated last file stay), keeps no record of what made
-  the data, and queues every batch's saves without bound. The replacement keeps its contract
-  (same generator call, same files and ``sample_lengths.json``, the script's own ``save_config``)
-  and writes through ``output.py``: temporary name + rename, a manifest, resume of exactly the
-  missing files (their whole original batches run again, so rows are computed as before), a
-  refusal in one line for a folder made by other settings, saves bounded in bytes. The script's
-  functions exist only once ``main()`` runs: ``script-main-ready`` (on speculators'
-  ``load_and_preprocess_dataset``, the script's first call) asks the registry to try it then.
+- ``script-tp-default``: ``--tensor-parallel-size`` defaults to the accelerator count, 0 on a CPU: 1.
+- ``device-name-no-accelerator``: ``save_config`` asks a CUDA torch for a device name with no GPU.
+- ``generator-del-partial``: ``__del__`` at interpreter exit prints an ``AttributeError``: dropped.
+- ``script-resumable-output`` (armed by ``script-main-ready``): the script's save loop, replaced by
+  crash-consistent, resumable output (``output.py``), its self-check and opt-in FP8 storage
+  (``storage.py``), keeping the script's contract. Versions: compat_matrix.yaml.
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations
@@ -234,7 +198,7 @@ def _data_config(script: dict, args, generator, num_samples: int, folder: Path) 
 
 
 def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
-    from .. import get_registry, output, settings
+    from .. import get_registry, output, settings, storage
     from ..extraction.driver import CHECK_ATTR
     from ..extraction.selfcheck import SelfCheckFailed
 
@@ -250,6 +214,10 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     if mode not in ("auto", "restart"):
         raise SystemExit(f"speculators-compat: SPECULATORS_COMPAT_OUTPUT_RESUME={mode!r}: expected auto or restart")
     limit = int(settings.number_set("SPECULATORS_COMPAT_SAVE_BUFFER_MB") * 2**20)
+    try:
+        store = storage.chosen()
+    except settings.SettingError as exc:
+        raise SystemExit(f"speculators-compat: {exc}") from None
     n, first, bs = len(dataset), int(args.start_idx), int(args.batch_size)
     run = {
         "format": output.FORMAT, "model": str(args.target_model_path),
@@ -262,6 +230,8 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
         "writes_sample_lengths": writes_lengths, "batch_size": bs,
         "versions": get_registry().version_strings(),
     }
+    if store:
+        run["storage"] = store  # a folder is extended only in the format it holds
     manifest = output.Manifest.read(folder)
     present = output.data_files(folder)
     if mode == "restart":
@@ -307,6 +277,8 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     layer_ids = [int(x) for x in generator.layer_ids]
     config = _data_config(script, args, generator, n, folder)
+    if store:
+        config[storage.FORMAT_KEY] = {"format": store, "hidden_states": storage.LAYOUT}
     recorded = (manifest.data_config or {}).get("hidden_states", {}).get("layer_ids")
     if recorded is not None and recorded != config.get("hidden_states", {}).get("layer_ids"):
         raise SystemExit(f"speculators-compat: {folder} holds data of layers {recorded}; this run captures "
@@ -319,17 +291,27 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
             last[0] = time.monotonic()
             _write_lengths(folder, manifest, fsync)
 
-    queue = output.SaveQueue(manifest, int(script.get("MAX_IO_WORKERS", 4)), limit, fsync, saved)
+    def encode(index: int, obj: dict) -> tuple[dict, dict]:  # on the save threads
+        coded = storage.encode(obj)
+        return coded, ({"fp8_rel_error": storage.measured(obj, coded)} if (index - first) % FP8_MEASURE_EVERY == 0
+                       else {})
+
+    queue = output.SaveQueue(manifest, int(script.get("MAX_IO_WORKERS", 4)), limit, fsync, saved,
+                             encode if store else None)
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
     canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
                      first in done)
+    generate_s: list[float] = []  # per batch, for the timing line at the end
+    loop_start = time.perf_counter()
     try:
         for s in progress:
             batch = dataset[s:min(s + bs, n)]
             extra = canary.joins(s // bs)  # by batch number alone: a resumed batch is the batch it was
             try:
+                t = time.perf_counter()
                 results = generator.generate(list(batch["input_ids"]) + extra)
+                generate_s.append(time.perf_counter() - t)
             except SelfCheckFailed as exc:
                 manifest.append({"self_check": {"kind": "engine", "batch": s // bs, "sample": first + s,
                                                 "verdict": "fail", "problem": str(exc).splitlines()[0]}})
@@ -347,8 +329,13 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
             if again is not None:
                 canary.check(s // bs, again)
     finally:
+        loop_s = time.perf_counter() - loop_start
         log.info("Waiting for remaining file saves to complete...")
         queue.drain()  # a generate error is raised after the saves already begun are complete
+    if generate_s:
+        log.info(f"speculators_compat timing: loop {loop_s:.3f} s over {len(generate_s)} batch(es): generate "
+                 f"{sum(generate_s):.3f} s (first batch {generate_s[0]:.3f} s), waiting for saves "
+                 f"{queue.blocked_s:.3f} s, the rest {loop_s - sum(generate_s) - queue.blocked_s:.3f} s")
     if canary.checks:
         log.info(f"speculators_compat self-check: sample {first} captured again in {canary.checks} batch(es), "
                  f"largest row error {canary.worst:.3g} (limit {output.CANARY_TOLERANCE})")
@@ -359,12 +346,19 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
                  f"match the engine's own token ids, positions and layer outputs"
                  + (f"; final norm largest error {engine['final_max_rel_error']:.3g}" if engine.get("final_rows") else "")
                  + (f"; not covered: {', '.join(engine['not_covered'])}" if engine.get("not_covered") else ""))
+    worst = output._fp8_worst(manifest.files.values()) if store else None
+    if worst:
+        log.info(f"speculators_compat: data stored as {store}; largest row error vs the captured rows, per layer "
+                 f"{layer_ids}: {', '.join(f'{x:.3g}' for x in worst)} (every {FP8_MEASURE_EVERY}th file measured)")
     if writes_lengths:
         _write_lengths(folder, manifest, fsync)
     output.atomic_write_bytes(folder / output.CONFIG, json.dumps(config, indent=2).encode(), fsync)
     log.info(f"Saved {queue.saved} new data points to {args.output_dir} (largest save backlog "
              f"{queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
     return queue.saved
+
+
+FP8_MEASURE_EVERY = 16  # with FP8 storage, every 16th file's row errors go into its manifest line
 
 
 class _Canary:
@@ -387,12 +381,15 @@ class _Canary:
             self.reference = obj
 
     def check(self, batch_number: int, again: dict) -> None:
-        from .. import output
+        from .. import output, storage
 
         if self.reference is None and self.saved:
             import torch
 
             self.reference = torch.load(self.folder / output.data_name(self.first), weights_only=True)
+        if self.reference is not None and storage.FP8_KEY in self.reference:  # saved as FP8: compare as saved
+            self.reference = storage.decode(self.reference)
+            again = storage.decode(storage.encode(again))
         if self.reference is None:
             raise RuntimeError(f"speculators-compat self-check: sample {self.first}'s first capture is neither "
                                "in this run nor saved")
