@@ -1,16 +1,9 @@
 """speculators-compat: version-gated patches that keep speculators' offline EAGLE-3 data
 generator (``VllmHiddenStatesGenerator``) and its vLLM worker extension working on new vLLM.
 
-``import speculators_compat`` before speculators activates the shim. It imports neither torch,
-vLLM nor speculators: patches are applied by post-import hooks when their targets are imported.
-In vLLM's own processes (engine core, workers) the ``vllm.general_plugins`` entry point does the
-same. Environment:
-
-- ``SPECULATORS_COMPAT_DISABLE=1``: do nothing.
-- ``SPECULATORS_COMPAT_STRICT=1``: an untested combination or a failed probe raises.
-- ``SPECULATORS_COMPAT_PATCHES``: ``id1,id2`` (only these; a failure of one raises) or
-  ``-id1,-id2`` (all but these).
-- ``SPECULATORS_COMPAT_MATRIX``: path of a user's own compat matrix (validated like ours).
+``import speculators_compat`` before speculators activates the shim; it imports neither torch,
+vLLM nor speculators (patches apply by post-import hooks). vLLM's processes activate it through
+the ``vllm.general_plugins`` entry point. Settings: ``settings.py`` (README's table).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Post-import hooks: the one mechanism by which patches reach their target modules.
 
-A single finder at the front of ``sys.meta_path`` wraps the loader of each module that has
-subscribers; after the module's code has run, every subscriber is called with the module (as
-wrapt's ``register_post_import_hook`` does, and ddtrace's module watchdog). Unlike wrapt's,
-subscriptions persist: a hook runs on every execution of its module, so an import that failed
-(a strict-mode refusal aborts the target's import, and Python drops the half-made module) runs
-the hooks again when it is retried, instead of leaving the module silently unpatched.
-
-Why not wrapt's own hooks: ``import wrapt`` costs ~70-90 ms (importlib.metadata, asyncio; see
-benchmarks/RESULTS.md), and ``import speculators_compat`` must stay cheap. This module imports
-nothing beyond ``sys`` and ``_thread``; wrapt, the registry, the patch
-definitions and the matrix are loaded by the first subscriber to run.
+One finder at the front of ``sys.meta_path`` wraps the loader of each subscribed module and
+calls its subscribers after the module's code has run. Subscriptions persist, so a retried
+import (after a strict-mode refusal) is patched again. Imports only ``sys`` and ``_thread``:
+``import speculators_compat`` stays cheap. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """``speculators-compat check``: will extraction work with the installed vLLM? No model, no GPU.
 
-Imports vLLM and speculators' generator and worker modules (which runs every patch's gates and
-probes against the real objects), then binds every call into vLLM — the calls each applied patch
-declares (``Patch.calls``, the declarations its code calls through) and speculators' own
-unpatched calls (``SPECULATORS_CALLS``) — to the installed signatures (required parameters
-supplied, keywords accepted), and probes the names and keywords no call declaration covers
-(``NAME_SITES``). A new vLLM that moves or re-signs something is drift naming the call site.
-A patch left out by the user's matrix or ``SPECULATORS_COMPAT_PATCHES`` while the shipped matrix
-has it in range and its probe says it applies is drift too.
-
-Exit codes: 0 supported (tested combination, all probes pass) · 1 works but untested (probes
-pass, the pair is not verified in the tested table) · 2 drift (a probe fails) · 3 cannot check
-(not installed, import error, or an error of check itself: one line, never a traceback).
+Imports vLLM and speculators' generator and worker modules (every patch's gates and probes run),
+binds every declared call (``Patch.calls`` and speculators' own ``SPECULATORS_CALLS``) to the
+installed signatures and probes the remaining names (``NAME_SITES``); a moved or re-signed name
+is drift naming its call site. Exit codes: 0 supported · 1 works but untested · 2 drift ·
+3 cannot check (one line, never a traceback). ``--model PATH`` rehearses a model (test bed).
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

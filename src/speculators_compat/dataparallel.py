@@ -1,48 +1,10 @@
 """Data-parallel extraction: one generator per GPU group, as Ray actors, over shards of a dataset.
 
-    from speculators_compat import dataparallel
-
-    if __name__ == "__main__":
-        stats = dataparallel.extract(
-            "path/to/model", layer_ids=[2, 16, 29, 31],
-            shards=[shard0, shard1, ...],      # each a list of samples: token ids, or
-                                               # {"input_ids": [...], "loss_mask": [...]}
-            out_dir="training_data", num_actors=8, tensor_parallel_size=1, batch_size=8,
-        )
-
-Output: speculators' own on-disk format (``scripts/data_generation_offline.py``): one
-``data_<i>.pt`` per sample, ``torch.save`` of ``{"input_ids", "hidden_states" (one contiguous
-tensor per layer id), "loss_mask"}``, where ``i`` is the sample's index over all shards in
-order (``start_idx`` added). The loss mask is the sample's own, cut to the (truncated) length,
-or ``None`` where the sample has none (as the generator returns it).
-
-Resumable: after the last file of a shard is written, a marker ``.shards/shard_<k>.json`` is
-written atomically (temporary file, then rename). A shard whose marker exists and names the
-same inputs (count, first index, a digest of its token ids, layer ids) is skipped; any other
-shard is redone from its first sample (its files are rewritten, each atomically), so a shard
-cut off half-way is never left half-written. Progress: one line per finished shard with its
-tokens per second (``progress``, default ``print``).
-
-Placement: each actor asks Ray for ``gpus_per_actor`` GPUs (default: ``tensor_parallel_size``
-where CUDA is available, else 0) and ``cpus_per_actor`` CPUs; its generator runs vLLM's default
-executor on them (``SPECULATORS_COMPAT_EXECUTOR`` is not passed on unless ``actor_env`` says
-so). ``ray_address``: an existing cluster (``ray start --head`` / ``ray start --address=...``);
-default: the cluster this process is connected to, else a local one that ``extract`` starts
-and stops. Ray is imported only here (``pip install 'speculators-compat[ray]'``).
-
-``extract_local`` runs the same shard loop in this process with a generator you built: the
-single-generator reference the data-parallel output is checked against, row for row.
-
-Faults (issue #18, item 4: "a Ray worker killed mid-call gives a named error within the RPC
-bound, nothing orphaned"): each actor's pid, host and descendant pids (its vLLM workers) are
-recorded when it is up (a ``progress`` line ``actor <i>: pid ...``). An actor that dies while it
-runs a shard (``RayActorError``) or whose generator raises (``RayTaskError``) ends ``extract``
-with ``ExtractionError`` naming the shard, its files, the actor, its pid and host and the cause;
-the other actors are killed at once (their shards in flight have no marker either), then every
-recorded pid on this host still running after a grace of ``KILL_GRACE_S`` is SIGKILLed (checked
-by its start time, so a reused pid is left alone). Detection is Ray's (the actor's process exit);
-a hung vLLM worker is bounded by the shim's ``SPECULATORS_COMPAT_RPC_TIMEOUT`` inside the actor.
-The next ``extract`` redoes only the shards without a marker.
+``extract(model, layer_ids=, shards=, out_dir=, num_actors=, ...)`` writes speculators' own
+``data_<i>.pt`` files; a finished shard leaves a marker and is skipped on a re-run, any other is
+redone from its start. A dead actor ends ``extract`` with ``ExtractionError`` naming the shard,
+actor, pid and cause; the rest are stopped. ``extract_local`` is the single-generator reference.
+Ray is imported only here (``pip install 'speculators-compat[ray]'``). Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Exchange buffers for captured hidden states: a recycled pool of shared-memory chunks.
 
-The worker writes each sequence's captured rows straight into shared memory that the caller
-maps (``patches/worker_capture.py``); the caller returns tensors that *are* that memory. Making
-fresh shared memory on every ``generate`` call costs, per call, what the copies themselves do
-not: creating and zero-filling the files, faulting in every page on both sides, and on GPUs
-page-locking it (``cudaHostRegister``) so that device-to-host copies run asynchronously.
-Measured on an H200 (32 × 1024 tokens, 3 captured layers, ~400 MB per call): 0.24–0.27× of
-vLLM's own prefill throughput with fresh buffers per call.
-
-This pool keeps those chunks: each is created, mapped and (on GPUs) page-locked once, by both
-processes, and reused. A sequence's result tensors lease one segment of a chunk; the segment
-returns to the pool when the caller drops the last tensor (view, slice) of it — never earlier,
-so results stay valid for as long as the caller holds them. A caller that keeps every result
-makes the pool grow as fresh buffers would; a caller that drops results (writes them to disk,
-converts them) reuses the same memory on every call. Capacity that no lease holds is trimmed
-to twice the largest single call seen, so a one-off large batch does not pin memory forever.
+Workers write captured rows straight into shared memory the caller maps; the caller's result
+tensors are that memory. Chunks are created, mapped and (on GPUs) page-locked once and reused: a
+segment returns to the pool when the caller drops its last tensor of it, and idle capacity is
+trimmed to twice the largest call. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """``speculators-compat run <command…>``: run a command with the shim active in every Python process.
 
-speculators' own scripts (``scripts/data_generation_offline.py``) never import
-``speculators_compat``, force ``spawn`` for vLLM's workers and ``multiprocessing``, and import
-``speculators`` at their top level — which on transformers 5 already needs the shim. A wrapper
-that imports the shim and then runs the script helps only the first process: a spawned child
-re-imports the main module before vLLM loads its plugins. So, like ``ddtrace-run`` or
-``opentelemetry-instrument``, the launcher prepends the folder ``speculators_compat/_boot`` (it
-holds only a ``sitecustomize.py``) to ``PYTHONPATH`` and ``exec``s the command. Every Python
-process started from there on — the command, vLLM's workers, ``multiprocessing`` spawn children —
-inherits ``PYTHONPATH`` and runs that ``sitecustomize`` at startup, which activates the shim (a
-cheap import trigger, nothing heavy) and then runs the environment's own ``sitecustomize`` if
-there is one. The command replaces this process (``os.execvp``): its exit code, signals and
-stdin/stdout are the command's own.
+Like ``ddtrace-run``, the launcher prepends ``speculators_compat/_boot`` (a ``sitecustomize.py``
+that activates the shim, then runs the environment's own) to ``PYTHONPATH`` and ``exec``s the
+command: the command, vLLM's workers and spawn children all start with the shim; the exit code,
+signals and stdio are the command's. ``SPECULATORS_COMPAT_AUTO=1`` does it for every process.
 
-Without the launcher: ``SPECULATORS_COMPAT_AUTO=1`` makes the ``.pth`` hook shipped in the wheel
-activate the shim at every interpreter start of that environment (see
-``_speculators_compat_pth.py``).
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

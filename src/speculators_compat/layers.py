@@ -1,22 +1,10 @@
 """Per-architecture decoder-layer adapters: where the residual stream is after layer i.
 
-speculators replaces the base model's ``forward`` with its own loop that calls every decoder
-layer as ``layer(hidden_states=, positions=, residual=)``. That loop drops whatever the model's
-own forward does around its layers — DeepseekV2/V3/Kimi's ``llama_4_scaling`` (0.12+), Gemma's
-embedding normaliser, Qwen3-VL's deepstack additions, GPT-OSS's argument order — silently.
-
-The shim keeps the model's own forward and reads each chosen layer's *output* with a forward
-hook instead. What an adapter must know is then only how a layer class returns the residual
-stream, decided here from the real class and its real ``forward`` signature, once per model:
-
-- fused-residual layers (vLLM's pre-norm convention: ``forward(..., hidden_states, residual)``
-  returning ``(hidden_states, residual)``): the stream is ``hidden_states + residual``
-  (speculators' capture point).
-
-The table below names the classes verified against HF (see tests/e2e); a class that is not in
-it but has the fused-residual signature is accepted under the same rule and said so in the log;
-anything else is a clear error naming the class and its signature — never a guess. The first
-captured call also checks the output really is a pair of [tokens, hidden] tensors.
+The shim keeps the model's own forward and reads each chosen layer's output with a forward hook;
+an adapter knows only how a layer class returns the residual stream (fused-residual layers:
+``hidden_states + residual``). Classes verified against HF are listed; others with the
+fused-residual signature are accepted and logged; anything else is a clear error naming the
+class. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Load and validate compat_matrix.yaml, the one source of version truth.
 
-The file is data only: read with a safe YAML loader (that also refuses duplicate keys, which
-``yaml.safe_load`` would silently collapse), validated against a fixed schema, and turned into
-plain records. Nothing in it names code to run. The schema is documented at the top of the
-shipped file.
-
-Bounded, because every process that imports a hooked module (vLLM workers included) reads it:
-a file over ``MAX_BYTES`` is refused before it is parsed, YAML anchors and aliases are refused
-as the parser meets them (no "billion laughs" expansion), and every error is one line of at
-most ``MAX_MESSAGE`` characters that quotes values through a bounded ``repr``.
-
-Where it is read from: ``SPECULATORS_COMPAT_MATRIX`` (a user's file, validated the same way),
-else the copy packaged inside the wheel, else the repository's top-level file (editable
-installs).
+Data only: a safe YAML loader that refuses duplicate keys, anchors and aliases and files over
+``MAX_BYTES``; a fixed schema; one-line bounded errors. Read from ``SPECULATORS_COMPAT_MATRIX``,
+else the wheel's copy, else the repository's file. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Patch records, their two gates (matrix + probe), apply/revert, ownership and status.
 
-Flow: ``activate()`` subscribes one post-import hook per target module (``_import_hooks``);
-nothing heavy is imported. When a target module is imported (or at once, if it already is),
-each of its patches is gated by compat_matrix.yaml (versions), then its probe inspects the real
-objects; only if both pass is the attribute replaced. Every outcome is a status record.
-
-Rules:
-- one owner per attribute: registering a second patch on the same (module, attribute) raises
-  ``PatchConflict`` at registration;
-- declared dependencies (``Patch.requires``, in the patch's own file) hold at selection time: a selection
-  (``SPECULATORS_COMPAT_PATCHES``) that leaves out a patch which a selected, in-range patch
-  requires, where that patch is in range too, is refused by ``configure`` in one line;
-- applying twice is a no-op; ``revert`` puts back the very object that was there (``is``);
-- an exception inside a post-import hook never breaks the target's import: it is recorded,
-  warned once, and raised only in strict mode or when the user selected that patch by name;
-  the hook stays subscribed, so a retried import is gated and probed again.
+A target's import runs its patches' gates (compat_matrix.yaml, then the probe of the real
+objects); only if both pass is the attribute replaced. One owner per attribute (``PatchConflict``
+at registration); declared ``requires`` hold at selection; applying twice is a no-op; ``revert``
+puts back the very object; an error in a hook never breaks the target's import (raised only in
+strict mode or for a patch selected by name). Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The worker side of an extraction: where each forward's rows go, and proof they went there.
 
-One ``CaptureState`` per vLLM worker (set up by ``patches.worker_capture``). Per call the driver
-sends ``begin`` (protocol.Begin): the worker maps the exchange chunks it has not mapped yet —
-by the caller's open descriptor (``/proc/<caller pid>/fd/<fd>``; the file has no name, so
-nothing can delete, replace or symlink it, and the worker never creates one) after checking it
-is the very file the caller made (device, inode, size) — and views each sequence's layer blocks
-in them. Before each forward the driver sends the step's placement; the forward hooks copy the
-chosen layers' rows to their final place (a side CUDA stream on GPUs) and count them. ``finish``
-waits for the copies and returns, per sequence and layer, the rows written *in this call*: the
-driver checks them against the lengths, so rows a worker did not write this call (a lost span, a
-recycled segment) are an error, never stale data. A sample of each call's rows is checked
-against the engine's own computation (``selfcheck``).
+One ``CaptureState`` per worker: ``begin`` maps the caller's exchange chunks (checked to be the
+very files the caller made), ``step`` places the next forward's rows, the forward hooks copy the
+chosen layers' rows (a side CUDA stream on GPUs) and count them, ``finish`` returns the rows
+written in this call and the self-check's report. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """``generate``: speculators' contract, driven the way vLLM's engine drives itself.
 
-Keeps speculators' contract — request ids ``req_{call}_{i}``, truncation to ``max_model_len - 1``,
-its logger, result dicts ``{"input_ids", "hidden_states", "loss_mask"}`` in input order — and
-receives hidden states in shared memory written in place by the workers (``capture``), leased
-from a pool mapped (and page-locked on GPUs) once (``speculators_compat.exchange``). Each layer
-of each sequence is its own block, so every result tensor owns its storage (saving one layer
-writes one layer, as with speculators' own tensors).
-
-What a call guarantees:
-- every sequence gets exactly its (truncated) length of rows for every layer, *written by the
-  workers in this call* (their counts, returned by ``finish``), or the call raises;
-- one call at a time per generator (a second thread waits for the first);
-- after any failure (Ctrl-C included) the call's requests are aborted and the workers' reply
-  queues re-synchronised (``protocol.fence``), so the next call works; where that is not
-  possible (a worker died, it did not answer within the bound) every later call says so in one
-  line (``GeneratorUnusable``) instead of returning anything.
-A sample of each call's rows is checked against the engine's own computation (``selfcheck``;
-the tally is left on the generator, ``_speculators_compat_self_check``). Phase timings of the
-last call are left on the generator (``_speculators_compat_timings``).
+Keeps speculators' request ids, truncation, logger and result dicts in input order; hidden states
+arrive in shared memory written in place by the workers (``capture``, ``exchange``). A call
+returns every sequence's rows for every layer, written in this call, or raises; after any
+failure the next call works or says why not (``GeneratorUnusable``). A sample of each call's
+rows is self-checked (``selfcheck``); tallies and phase timings are left on the generator.
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

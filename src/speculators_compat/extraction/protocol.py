@@ -1,24 +1,10 @@
 """The RPC between the shim's driver (caller) and its capture in every vLLM worker.
 
-One entry point on the worker extension, ``RPC_NAME``, takes ``(seq, op, *args)``. Every reply
-is a dict ``{"ok", "seq", "value"}`` or ``{"ok": False, "seq", "type", "message",
-"traceback", "pid"}``: a worker exception reaches the caller with its type, message and
-traceback, never as vLLM's generic (sometimes empty) worker failure.
-
-``seq`` is the driver's RPC number, echoed by the worker. vLLM's executor reads replies in
-submission order from one queue per worker; a read that is interrupted (Ctrl-C) or times out
-leaves its reply in the queue, and the next read would take it for its own. The driver checks
-the echo on every reply of its own RPCs (a mismatch is ``ProtocolDesync``, never misread data),
-and after an interrupted call ``fence`` re-synchronises the queues: it sends a ``fence`` RPC and
-reads the workers' queues until that RPC's reply, discarding everything queued before it.
-
-Ops:
-    begin(Begin) -> {"rank_captures", "pinned", "chunks"}   map new exchange chunks, place sequences
-    step({req_id: (tokens, computed_before)}) -> None       the next forward's row placement
-    finish() -> {"written": {req_id: [rows per layer]}, "check": {...}}   wait for copies; counts, self-check
-    abort() -> None                                         drop the call's placement (after a failure)
-    describe() -> {...}                                     runner, layers, worker-side patch report
-    fence() -> None                                         nothing: its reply marks the queue position
+One entry point, ``RPC_NAME``, takes ``(seq, op, *args)``; a reply is ``{"ok", "seq", "value"}``
+or a failure with the worker's type, message and traceback. The driver checks the echoed ``seq``
+on every reply (``ProtocolDesync``, never misread data); ``fence`` re-synchronises the queues
+after an interrupted call. Ops: begin, step, finish, abort, describe, fence.
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

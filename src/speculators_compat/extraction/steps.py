@@ -1,16 +1,9 @@
 """The step loop: vLLM's engine-core step, driven by hand, one or two batches in flight.
 
-Each step is what ``EngineCore.step`` does (schedule → execute_model → sample_tokens where
-vLLM split it (0.11.1+) → ``update_from_output``), plus the capture's placement RPC before the
-forward. Where the executor takes ``non_block`` futures (vLLM's FutureWrapper queue, 0.11.1+)
-up to ``depth`` batches are in flight, like ``EngineCore.step_with_batch_queue``: batch N+1 is
-scheduled and submitted before batch N's output is awaited. vLLM's plain ``Scheduler`` allows
-this (pipeline parallelism uses it): it advances ``num_computed_tokens`` when it schedules, and
-a request whose last prompt chunk is in flight has nothing left to schedule until its output
-arrives. Without futures (0.11.0, or ``SPECULATORS_COMPAT_PIPELINE=0``) every call blocks:
-the same loop with depth 1. Requests finish by their ``max_tokens=1``; the ids of finished
-requests reach the workers on the next (possibly empty) batch, as in vLLM's engine (Model Runner
-V2 frees request slots on them).
+Each step is ``EngineCore.step`` (schedule, execute_model, sample_tokens where split,
+update_from_output) plus the capture's placement RPC. Where the executor takes ``non_block``
+futures two batches are in flight, like ``step_with_batch_queue``; otherwise (or with
+``SPECULATORS_COMPAT_PIPELINE=0``) depth 1. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Engine configuration built by hand in ``VllmHiddenStatesGenerator._create_vllm_config``.
 
-What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
-- ``SchedulerConfig`` gained a required ``is_encoder_decoder`` (0.11.1+; speculators 0.3.0 does
-  not pass it, 0.4.x does, which 0.11.0 rejects) and turns ``async_scheduling`` on by default
-  for hand-built configs (0.14+). The adapter passes ``is_encoder_decoder=False`` where the
-  field exists, drops it where it does not. ``SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS`` sets the
-  per-step token budget, which speculators 0.3.0 fixes at ``max(8192, max_model_len)`` (where set it
-  also wins over 0.4.x's ``max_num_batched_tokens`` argument). ``SchedulerConfig.async_scheduling`` has one owner,
-  this patch: ``async_scheduling_wanted`` below is the only decision and this module the only
-  writer. It is off when the config is built (vLLM would otherwise turn it on by default, and
-  the executor that decides it is not known yet); ``async-scheduling`` (execution.py, which
-  ``requires`` this patch) asks ``settle_async_scheduling`` for the final value as the executor
-  is built: on only with the pipelined driver, both settings on, and an executor taking futures.
-- ``CacheConfig``: prefix caching became the default (0.12+). speculators 0.3.0 neither gives
-  its Requests a block hasher nor turns caching off, so vLLM's block pool fails its
-  ``len(request.block_hashes) >= num_full_blocks`` assertion (with an empty message) on the
-  first prompt longer than a block. The adapter turns prefix caching off, as 0.4.x does: each
-  prompt is then computed in full, so repeated calls cannot be served from another call's
-  cache. Where vLLM resolves the block size itself (a ``None`` default: the platform and its
-  attention backend choose; CPU attention wants multiples of 32 from 0.32), the adapter drops
-  speculators' hard-coded 16 and lets vLLM choose, like vLLM's own engine.
-- ``ModelConfig(dtype="auto")`` is hard-coded: ``engine-dtype`` passes
-  ``SPECULATORS_COMPAT_DTYPE`` instead where it is set (e.g. float32 to verify rows, bfloat16 on a
-  CPU that refuses float16); unset, speculators' call is unchanged.
-The adapters wrap the names in the generator's module namespace: vLLM itself is untouched.
+``scheduler-config-args``: ``is_encoder_decoder`` where the field exists, the token budget
+(``SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS``), and the one decision on ``async_scheduling``
+(off at build, settled as the executor is built). ``engine-dtype``: ``SPECULATORS_COMPAT_DTYPE``.
+``cache-config-args``: prefix caching off and the platform's block size (0.12+).
+Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

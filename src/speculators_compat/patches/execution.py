@@ -1,30 +1,10 @@
 """The generator's step loop: ``VllmHiddenStatesGenerator.generate``, replaced as a whole.
 
-Why a whole method (not call adapters): every part of the loop moved, and both speculators
-releases have bugs there that give wrong results without an error.
-- vLLM 0.11.1+ split a step into ``execute_model`` (returns None) and ``sample_tokens``; calling
-  ``execute_model`` twice raises "sample_tokens() must be called after execute_model() returns
-  None" (speculators 0.3.0 never calls ``sample_tokens``; 0.4.x calls it where 0.11.0 lacks it).
-- ``collective_rpc(..., unique_reply_rank=0)`` returns the single reply, not a list (0.3.0
-  indexes it).
-- Model Runner V2 (0.22+) frees a request's slot only when a SchedulerOutput carrying its id in
-  ``finished_req_ids`` reaches the worker; the generators drop that output ("No free indices"
-  after a few calls on the GPU).
-- speculators 0.3.0 aborts every request after its first scheduled chunk: a batch larger than
-  ``max_num_batched_tokens`` comes back truncated and misaligned (rel. error ~1.4 vs HF).
-- speculators 0.4.x returns results in ``sorted()`` order of string ids: ``req_0_10`` sorts
-  before ``req_0_2``, so batches of more than ten come back out of input order.
-- Captured states cross the process boundary pickled in one RPC (most of the wall time on a GPU).
-
-The replacement is ``speculators_compat.extraction.driver.generate``: it drives the engine the
-way vLLM's own ``EngineCore.step`` does (``extraction.steps``), keeps speculators' contract, and
-receives hidden states in shared memory written in place by the workers
-(``extraction.capture``), with every row's writing verified per call and recovery after any
-failure. This module holds only the patches' declarations and probes.
-
-Pipelining (``extraction.steps``): two batches in flight where the executor takes ``non_block``
-futures (0.11.1+), like ``EngineCore.step_with_batch_queue``; ``SPECULATORS_COMPAT_PIPELINE=0``
-drives one batch at a time.
+Every part of speculators' loop moved in vLLM (split execute/sample steps, single-reply RPCs,
+Model Runner V2's finished ids) and both releases return wrong rows silently (0.3.0 truncates
+chunked batches, 0.4.x reorders more than ten). ``generate-driver`` runs
+``extraction.driver.generate`` instead; ``async-scheduling`` turns the workers' async mode on
+with the pipelined driver on accelerators. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

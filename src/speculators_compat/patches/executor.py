@@ -1,52 +1,10 @@
 """The generator's executor: speculators hard-codes vLLM's ``MultiprocExecutor`` (one host).
 
-What speculators hard-codes (0.3.0, 0.4.0, 0.4.0.1, ``vllm_hidden_states_generator.py``):
-- ``VllmHiddenStatesGenerator.__init__`` builds ``self.executor = MultiprocExecutor(vllm_config=...)``
-  — a name imported at module level, so neither vLLM's own executor choice
-  (``Executor.get_class``, which reads ``ParallelConfig.distributed_executor_backend``) nor its
-  multi-node backend, ``RayDistributedExecutor``, can ever be reached;
-- ``_create_vllm_config`` builds ``ParallelConfig(tensor_parallel_size=..., worker_extension_cls=...)``
-  and nothing else: no ``pipeline_parallel_size``, no ``distributed_executor_backend``;
-- ``__init__`` reads the KV-cache spec of rank 0 only (``collective_rpc("get_kv_cache_spec")[0]``)
-  and hands ``[kv_cache_config] * tensor_parallel_size`` to ``initialize_from_config``, which
-  vLLM indexes by *global* rank: with pipeline stages, rank ≥ tp finds no config (IndexError),
-  and stage 0's spec names only stage 0's layers.
-
-How the patches answer (opt-in; nothing changes unless asked, and Ray is never imported unless
-asked for):
-- ``executor-backend`` wraps ``ParallelConfig`` in the generator's namespace: with
-  ``SPECULATORS_COMPAT_EXECUTOR=ray`` it passes ``distributed_executor_backend="ray"``; with
-  ``SPECULATORS_COMPAT_PIPELINE_PARALLEL_SIZE=N`` (N > 1) it passes ``pipeline_parallel_size=N``.
-  The probe binds exactly that call (speculators' two arguments plus ours) to the installed
-  ``ParallelConfig`` signature.
-- ``executor-class`` wraps ``VllmHiddenStatesGenerator.__init__``: where the engine is not the
-  default (Ray, or pipeline stages), ``__init__`` runs with its name ``MultiprocExecutor``
-  resolved to vLLM's own choice, ``Executor.get_class(vllm_config)``, for that construction only
-  (the module attribute is untouched; the ``async-scheduling`` patch that owns it still builds
-  multiprocess executors). With pipeline stages, the KV-cache spec handed to speculators is the
-  union of every stage's layers, and ``initialize_from_config`` gets one config per global rank,
-  each keeping its own stage's layers (what vLLM's engine core does). The probe checks that
-  ``__init__`` really looks ``MultiprocExecutor`` up by name and that ``Executor.get_class`` binds
-  ``(vllm_config)``.
-- ``executor-class`` also starts the workers with ``spawn`` on accelerators while ``__init__``
-  runs (``VLLM_WORKER_MULTIPROC_METHOD``, unless the user set it; put back after): see
-  ``_spawn_workers_on_accelerators``. Left out (``-executor-class``), vLLM's own choice stands;
-  generators built concurrently in threads share the process environment (not supported).
-- Which Ray executor: vLLM's own choice. From 0.32 that is ``RayExecutorV2`` by default
-  (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1``), a ``MultiprocExecutor`` whose workers are Ray actors:
-  the same ordered message queues (shared memory on the driver's node, TCP elsewhere), so the
-  pipelined driver, async scheduling and ``protocol.fence`` work as on one host. With the legacy
-  ``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, and vLLM < 0.32) shim RPCs
-  travel as actor tasks and model steps through a Ray compiled graph, two channels with no order
-  between them: the driver keeps one batch in flight there (``extraction.steps.pipeline_depth``)
-  and async scheduling stays off; a failed call marks that generator unusable (no fence).
-- The captured states travel through the caller's shared memory, so every *capturing* worker
-  (TP rank 0 of each pipeline stage) must run on the caller's host; stages on other hosts are
-  not supported yet (their ``begin`` fails naming the exchange).
-- On a platform where vLLM's Ray executor does not run (CPU: vLLM's ``ray_device_key`` is
-  empty; vLLM raises "current platform cpu does not support ray."), asking for Ray is one line
-  naming the platform, before any Ray cluster is started.
-Default (nothing set): ``MultiprocExecutor``, exactly as speculators builds it.
+``executor-backend``: ``SPECULATORS_COMPAT_EXECUTOR=ray`` / ``..._PIPELINE_PARALLEL_SIZE=N`` reach
+``ParallelConfig``. ``executor-class``: with Ray or pipeline stages, ``__init__`` builds vLLM's own
+executor choice (with per-stage KV-cache configs); on accelerators workers start with ``spawn``
+while it runs. Nothing changes unless asked; Ray is imported only when asked for.
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """KV-cache configuration built by hand in ``VllmHiddenStatesGenerator.__init__``.
 
-What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
-- ``get_kv_cache_config_from_groups`` lost its ``kv_cache_specs`` parameter in 0.12 (speculators
-  0.3.0 passes it; 0.4.x does not, which 0.11 requires). The adapter binds the call against
-  the real signature: it drops the argument where it is gone and, where it is required,
-  rebuilds it from the groups (each group carries its spec and layer names).
-- The KV-cache *layout* became an engine-level decision (0.29+ resolves it once:
-  ``resolve_kv_cache_layout`` + executor ``set_kv_cache_layout``) that must precede building
-  KV-cache configs ("KV cache layout has not been resolved yet"). The patch does what
-  vLLM's own engine core does, right after the generator has built its executor and set up
-  capture (``_setup_capture``), and stamps the resolved layout on the KV-cache config.
-- 0.33: ``Executor.set_kv_cache_layout(layout_name, cp_kv_cache_interleave_size)`` gained a
-  required parameter; vLLM's engine passes ``parallel_config.cp_kv_cache_interleave_size``
-  (after ``adjust_dcp_kv_cache_interleave_size``, a no-op without a KV-transfer config, which the
-  generator never has). ``resolve_layout`` calls it in the first of ``SET_LAYOUT_FORMS`` that
-  binds to the installed signature; ``speculators-compat check`` binds the same forms, so a
-  further change is reported as drift naming the parameter before any model is loaded.
-
-Every call these patches make is declared in ``calls=`` (registry.Call) and bound by ``check``.
+``get_kv_cache_config_from_groups`` is called as the installed signature takes it (its
+``kv_cache_specs`` went in 0.12); the KV-cache layout is resolved and set on the executor as
+vLLM's engine core does (0.29+; 0.33's extra ``cp_kv_cache_interleave_size``) before configs are
+built. Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,9 @@
-"""KV-cache groups of hybrid-attention models (state-space / linear-attention layers beside
-attention layers: Qwen3.5, Qwen3-Next, ...), planned by hand in ``VllmHiddenStatesGenerator.__init__``.
+"""KV-cache groups of hybrid-attention models (Qwen3.5, Qwen3-Next, ...), planned by hand.
 
-What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
-- speculators (0.3.0, 0.4.x) plans the KV cache as if every layer had one spec type: it calls
-  ``unify_hybrid_kv_cache_specs(kv_cache_spec)`` and then ``_get_kv_cache_groups_uniform_spec``.
-  Since vLLM gave linear-attention / Mamba-style layers their own ``MambaSpec`` (a recurrent state
-  per request, v1 hybrid KV-cache manager) a model that mixes them with attention layers cannot
-  be unified: 0.32 raises "Failed to promote local KV cache specs to one unified type" (e.g. 3
-  ``MambaSpec`` + 1 ``FullAttentionSpec``), and past that "All layers in the same KV cache group
-  must be the same". vLLM's own engine never unifies such a model (it does so only where
-  ``scheduler_config.disable_hybrid_kv_cache_manager`` is set): ``EngineCore._initialize_kv_caches``
-  → ``get_kv_cache_configs`` → ``get_kv_cache_groups(vllm_config, kv_cache_spec)``, which puts
-  the attention and the state layers in separate groups of one page size.
-- ``kv-cache-hybrid-unify`` wraps ``unify_hybrid_kv_cache_specs`` in the generator's module: where
-  the specs mix ``MambaSpec`` layers with other layers it leaves them as they are (as vLLM's
-  engine does), elsewhere it calls the original (unchanged path: sliding + full attention models
-  such as gpt-oss are still unified to full attention, as speculators intends).
-- ``kv-cache-hybrid-groups`` wraps ``_get_kv_cache_groups_uniform_spec`` there: for specs that
-  are not one spec (``is_kv_cache_spec_uniform`` false: those mixed specs, and attention layers
-  that still differ after unification, e.g. Gemma 3 on CUDA vLLM 0.24 where sliding-window layers
-  index the cache by another block stride and the original asserts) it returns
-  ``get_kv_cache_groups(vllm_config, kv_cache_spec)`` with the generator's own ``VllmConfig``
-  (read off the generator whose ``__init__`` is calling: the wrapped function receives only the
-  specs); a uniform model takes the original call.
-  The rest follows as in vLLM's engine: ``get_kv_cache_config_from_groups`` lays the groups out
-  (kv-cache-config-args), the scheduler takes its block sizes from the groups (scheduler-args:
-  ``resolve_kv_cache_block_sizes``), and the model runner keeps each request's recurrent state
-  across chunked-prefill steps.
-``get_kv_cache_groups`` is taken from ``kv_cache_utils`` or, where vLLM moved the planning
-functions (0.33), ``kv_cache_planning``: the first of ``GROUPS_FORMS`` that binds.
-Every call these patches make is declared in ``calls=`` (registry.Call) and bound by ``check``.
-Where this was run: CPU vLLM 0.32 (Qwen3.5 and Qwen3-Next cells, speculators 0.3.0 and 0.4.0.1,
-benchmarks/results/arch/); not yet on another release - there the probes decide.
+speculators unifies every layer's KV-cache spec, which fails for models mixing state-space /
+linear-attention layers with attention (0.32: "Failed to promote local KV cache specs"). The
+patches plan the groups as vLLM's engine does (``get_kv_cache_groups``), only for such models.
+Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

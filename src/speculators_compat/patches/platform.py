@@ -1,23 +1,9 @@
 """The KV-cache memory budget: asked of the platform vLLM runs on, not of CUDA.
 
-What changed: nothing in vLLM — speculators asks ``torch.cuda.mem_get_info()`` (0.3.0) or its
-``speculators.utils.util.mem_get_info`` (0.4.x, which picks ``cuda`` on any CUDA build of
-torch, GPU or not) for free memory. On a machine where vLLM runs on the CPU this raises, or
-answers for a device vLLM does not use. The patch answers from vLLM's platform layer:
-
-- CUDA / ROCm / other accelerators: the device's own ``mem_get_info`` (unchanged behaviour);
-- CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB; vLLM's CPU platform's own KV-cache setting, its
-  default where unset) reported as both free and total.
-``SPECULATORS_COMPAT_KV_CACHE_BYTES`` overrides the free figure on any platform (speculators then
-takes its usual ``gpu_memory_utilization * 0.2`` of it): a small KV cache starts far faster on
-a large GPU, and prefill-only extraction needs little.
-
-0.4.x: the name ``mem_get_info`` in the generator's module is wrapped. 0.3.0 calls
-``torch.cuda.mem_get_info()`` through its module global ``torch``: the patch binds that global,
-in the generator's module namespace only, to a view of torch whose ``cuda.mem_get_info``
-answers from the platform (every other name is torch's own). The process-wide
-``torch.cuda.mem_get_info`` is never replaced: another thread, or any other module, sees
-torch's own function at all times. Undo puts the module global back.
+speculators asks CUDA for free memory; on a CPU vLLM that raises or answers for an unused
+device. The patch answers from vLLM's platform: the device's ``mem_get_info`` on accelerators,
+``VLLM_CPU_KVCACHE_SPACE`` on CPU. ``SPECULATORS_COMPAT_KV_CACHE_BYTES`` overrides the free
+figure anywhere. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

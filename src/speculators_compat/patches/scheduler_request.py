@@ -1,33 +1,9 @@
 """``Scheduler`` and ``Request`` constructed by hand in the generator.
 
-What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
-- ``Scheduler(...)`` requires ``block_size`` from 0.11.1 (speculators 0.3.0 omits it; 0.4.x
-  passes its hard-coded 16, which 0.11.0 rejects) and takes ``hash_block_size`` from 0.20.
-  The adapter passes what vLLM's own engine core passes: the scheduler and hash block sizes
-  from ``resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)`` where it exists, else the
-  resolved ``cache_config.block_size``; it drops ``block_size`` where the parameter is absent.
-- ``Request(eos_token_id=...)`` was removed in 0.17. vLLM's engine now carries the model's EOS
-  in the sampling parameters: the adapter moves it there with
-  ``SamplingParams.update_from_generation_config({}, eos)`` (positional: the keyword was
-  renamed in 0.17 too) and constructs the Request without it.
-- The block size the scheduler works in must be the KV-cache groups' block size. vLLM's engine
-  core copies it back after building the KV-cache configs (``cache_config.block_size = min`` of
-  the prefix-cacheable groups' block sizes; 0.2x+, ``EngineCore._initialize_kv_caches``) and
-  resolves the scheduler's sizes from that. From 0.33 the CPU platform no longer sets
-  ``block_size = 128`` in the calling process (the worker picks it in
-  ``update_block_size_for_backend``), so without the copy the scheduler got 16 against groups of
-  128: an ``AssertionError`` with an empty message in ``kv_cache_coordinator.py``. The adapter
-  does the engine's copy on every version (where the groups already agree it changes nothing),
-  before resolving the sizes, so speculators' block hasher (built from
-  ``cache_config.block_size`` after the scheduler) uses the same size.
-- The scheduler gets the KV-cache config as vLLM's engine core gives it:
-  ``generate_scheduler_kv_cache_config([config])`` (0.11+), which replaces a group of
-  ``UniformTypeKVCacheSpecs`` (layers of one attention type with different shapes: Gemma 3 on
-  CUDA, whose sliding layers keep another block stride) by one of its specs. The scheduler has
-  no manager for ``UniformTypeKVCacheSpecs`` ("No manager registered"); the workers keep the
-  full config, as in the engine. Where the function is absent the config passes as it is.
-Both adapters wrap the names in the generator's module namespace only. Every vLLM call they
-make is declared in ``calls=`` (registry.Call) and bound by ``speculators-compat check``.
+``Scheduler(...)`` gets the block sizes vLLM's engine core passes (``block_size`` from 0.11.1,
+``hash_block_size`` from 0.20, the KV-cache groups' block size); ``Request(eos_token_id=)`` (gone
+in 0.17) moves the EOS into the sampling parameters as vLLM's engine does.
+Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

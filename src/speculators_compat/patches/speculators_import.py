@@ -1,40 +1,11 @@
-"""``import speculators`` on transformers 5 (which vLLM requires from ~0.2x).
+"""``import speculators`` on new transformers and vLLM.
 
-What changed: transformers 5 annotates ``PretrainedConfig.dtype`` as ``str | torch.dtype | None``
-with ``torch`` imported only under ``TYPE_CHECKING``. speculators' package ``__init__`` ends by
-calling ``reload_and_populate_configs()``, whose pydantic ``model_rebuild`` evaluates that
-annotation in ``transformers.configuration_utils``'s namespace and fails with
-``NameError: name 'torch' is not defined`` — so ``import speculators`` itself fails, in the
-caller and in every vLLM worker, before any vLLM code runs. A hook *after* speculators is
-imported would be too late.
-
-How the patch answers: a post-import hook on ``transformers.configuration_utils`` binds the
-name ``torch`` in that module — the namespace pydantic evaluates the annotation in — to the
-real torch module. It must run before speculators defines its config classes (a hook on
-``speculators.config`` is already too late: measured), so it fires when transformers' config
-module is imported, gated on the installed speculators and transformers versions. Nothing else
-changes; revert removes the name again.
-
-Also: speculators' ``models/eagle.py`` (imported by ``import speculators``) imports
-``_prepare_4d_causal_attention_mask`` from ``transformers.modeling_attn_mask_utils``, a module
-transformers removed in 5.2x (vLLM 0.20–0.29 resolve to 5.24: measured). The generator never
-calls it: the patch registers a stand-in module whose helper raises a clear error if called
-(speculators' Eagle *training* needs an older transformers), so the import succeeds.
-
-Also: speculators 0.4.x imports ``get_hash_fn_by_name`` from ``vllm.utils.hashing``, a module
-that appeared in 0.11.1; on 0.11.0 the function is ``vllm.utils.get_hash_fn_by_name``, so the
-generator's module fails to import. A post-import hook on ``vllm.utils`` registers an alias
-module ``vllm.utils.hashing`` exposing that function (0.11.0 only, probed).
-
-Also (vLLM 0.33): ``_get_kv_cache_groups_uniform_spec``, ``get_kv_cache_config_from_groups`` and
-``unify_hybrid_kv_cache_specs`` moved from ``vllm.v1.core.kv_cache_utils`` to the new
-``vllm.v1.core.kv_cache_planning`` (bodies unchanged; the old module does not re-export them).
-speculators imports them from the old module at module level, so the generator's module fails
-to import. A post-import hook on ``kv_cache_utils`` gives that module a PEP 562 module
-``__getattr__`` that resolves exactly these names from wherever the installed vLLM defines them
-(``from vllm.v1.core.kv_cache_utils import ...`` falls back to it), chaining to a ``__getattr__``
-vLLM may define itself. The hook runs wherever the shim is active: the caller and, through the
-``vllm.general_plugins`` entry point, every vLLM worker. Revert removes the ``__getattr__``.
+``speculators-import-torch-annotation``: transformers 5 annotates ``PretrainedConfig.dtype`` with
+a ``TYPE_CHECKING``-only ``torch``, so speculators' import fails (``NameError: torch``); a hook on
+``transformers.configuration_utils`` binds ``torch`` there first. ``attn-mask-utils-stand-in``,
+``hashing-module-alias`` and ``kv-cache-planning-names`` give speculators' module-level imports
+what transformers 5.2x and vLLM 0.11.0 / 0.33 moved (module aliases inserted by the registry).
+Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

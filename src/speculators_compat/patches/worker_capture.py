@@ -1,30 +1,11 @@
 """Capture in vLLM's worker: right for every architecture, on V1 and V2 model runners.
 
-What vLLM changed, and how the patches answer (versions: compat_matrix.yaml):
-- speculators' ``_setup_hidden_states_capture`` replaces the base model's ``forward`` with a loop
-  hard-coding one calling convention: the embedding method was renamed (0.11.1/0.12:
-  ``get_input_embeddings`` → ``embed_input_ids``), DeepseekV2/V3/Kimi layers take
-  ``llama_4_scaling`` from 0.12 (computed by the model's own forward: omitting it is silently
-  wrong), Gemma scales embeddings in its own method, Qwen3-VL adds deepstack embeddings in its
-  own forward; 0.3.0 also refuses models without the ``SupportsEagle3`` marker and takes
-  ``model.model`` of multimodal wrappers. The replacement keeps the model's own forward
-  untouched and reads the chosen layers' outputs with forward hooks, through the
-  per-architecture adapters of ``speculators_compat.layers`` (resolved once at setup).
-- Model Runner V2 (default for some architectures from 0.22, all from 0.29) has no
-  ``model_runner.input_batch`` and orders each step's requests by scheduled tokens. Capture
-  places each step's rows by the runner's own row order: V1 ``input_batch.req_ids``; V2 the
-  ``req_ids`` of the batch its ``prepare_inputs`` returns (the ``worker-v2-batch-order`` patch
-  wraps ``GPUModelRunner.prepare_inputs`` when vLLM imports the V2 runner; only a runner whose
-  capture is set up is read). Anything else is a clear error at setup.
-- Data path: instead of pickling every captured tensor through one RPC (measured: 1.7–2.0 s of
-  a 2.1 s batch on an H200), the driver leases one shared-memory block [tokens, hidden] per
-  sequence and layer from its exchange pool (``speculators_compat.exchange``); the worker maps
-  each pool chunk once (by the caller's descriptor, identity checked; page-locked on GPUs) and
-  copies each step's rows straight to their final place, from a side CUDA stream on GPUs,
-  counting them: the driver checks every block was written in full in this call
-  (``speculators_compat.extraction.capture``). The RPCs carry only small metadata.
-Speculators' own ``_reset_capture``/``_get_captured_states`` keep working (legacy path) when no
-shared buffer is active.
+speculators replaces the base model's forward with a loop hard-coding one calling convention
+(renamed embedding methods, DeepSeek's ``llama_4_scaling``, Gemma's embedding scale, Qwen3-VL's
+deepstack: silently wrong). ``worker-capture-hooks`` keeps the model's forward and reads the
+chosen layers with forward hooks (``layers``); ``worker-v2-batch-order`` reads Model Runner V2's
+batch order; ``worker-capture-rpc`` serves the driver (``extraction.protocol``).
+Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Worker start failures with their cause, in the caller's exception.
 
-A vLLM worker that fails to start (a corrupt weights file, a missing kernel) logs its traceback
-in its own process and closes its ready pipe; the caller gets only ``Exception("WorkerProc
-initialization failed due to an exception in a background process. See stack trace for root
-cause.")`` (``WorkerProc.wait_for_ready``, every release 0.11-0.33). Two patches of
-``vllm.v1.executor.multiproc_executor``: the worker's module ``logger`` becomes a proxy that,
-at vLLM's own ``logger.exception("WorkerProc failed to start.")``, also records the exception
-(type, message, the frame it rose in) in a private folder the caller made for this start; the
-caller's ``MultiprocExecutor._init_executor`` raises vLLM's exception (same type) ending with
-each worker's recorded cause. Any other exception, or a start with nothing recorded, passes
-unchanged.
+A vLLM worker that fails to start logs its traceback in its own process; the caller gets only
+"WorkerProc initialization failed ...". The patches record the worker's exception (type,
+message, frame) at vLLM's own ``logger.exception`` in a private folder, and the caller's
+``MultiprocExecutor._init_executor`` raises vLLM's exception ending with each worker's cause.
+Anything else passes unchanged. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations
