@@ -31,6 +31,11 @@ The warm-up (one A run, which also yields the token ids, then B's engine start a
 is timed and reported apart. B's engine stays up (idle) while A's subprocess runs; vLLM's idle
 workers wait on a socket, not spinning.
 
+``--inproc-sides`` adds two in-process ablations of B (``pass_b``): S, the script's save path
+(``output.SaveQueue``) fed by the generator; H, outputs held two batches, not saved.
+``--fresh-side`` adds P, the generator alone in a fresh process (a new engine like the script's):
+its first pass is as cold as the script's loop (``A_over_P_first``: the script against the
+generator, both cold), its second as warm as B.
 ``--fp8-side`` adds F, the script with ``SPECULATORS_COMPAT_STORE_DTYPE=fp8``, to the rotation (its
 ratios to B and its bytes per token against A's).
 
@@ -71,6 +76,10 @@ _TS = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - ")
 
 _TIMING = re.compile(r"speculators_compat timing: loop ([\d.]+) s over (\d+) batch\(es\): generate ([\d.]+) s "
                      r"\(first batch ([\d.]+) s\), waiting for saves ([\d.]+) s")
+
+
+_INSIDE = re.compile(r"inside generate: begin ([\d.]+) s, steps ([\d.]+) s, finish ([\d.]+) s, the rest ([\d.]+) s; "
+                     r"exchange: (\d+) chunk\(s\) made \((\d+) MiB\), (\d+) dropped")
 
 
 def _ts(match: re.Match) -> float:
@@ -175,6 +184,11 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     if t:
         res["loop_timing"] = {"loop_s": float(t[1]), "batches": int(t[2]), "generate_s": float(t[3]),
                               "first_batch_s": float(t[4]), "blocked_on_saves_s": float(t[5])}
+    i = _INSIDE.search(proc.stderr + "\n" + proc.stdout)
+    if i and "loop_timing" in res:
+        res["loop_timing"].update({"begin_s": float(i[1]), "steps_s": float(i[2]), "finish_s": float(i[3]),
+                                   "rest_s": float(i[4]), "chunks_made": int(i[5]), "chunk_mib_made": int(i[6]),
+                                   "chunks_dropped": int(i[7])})
     missing = [k for k in _MARKS if k not in m]
     if missing:
         res["missing_marks"] = missing
@@ -209,6 +223,47 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
         res["generate_phase_s"] = res["generate_loop_s"] + res["save_drain_s"]
         res["tok_s_generate_phase"] = tok / res["generate_phase_s"]
     return res
+
+
+_FRESH_CHILD = """
+import json, sys, time
+import speculators_compat
+from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+spec = json.load(open(sys.argv[1]))
+t = time.perf_counter()
+gen = VllmHiddenStatesGenerator(spec["model"], layer_ids=spec["layer_ids"], max_model_len=spec["seq_length"],
+                                gpu_memory_utilization=spec["gpu_util"])
+init_s, passes = time.perf_counter() - t, []
+for _ in range(2):
+    each = []
+    for b in spec["batches"]:
+        t = time.perf_counter()
+        res = gen.generate(b)
+        each.append(time.perf_counter() - t)
+        del res
+    passes.append(each)
+print("FRESH_RESULT " + json.dumps({"init_s": init_s, "passes": passes}), flush=True)
+import os
+os._exit(0)
+"""
+
+
+def run_fresh(args, model: Path, batches: list, work: Path) -> dict:
+    """P: the generator alone in a fresh process (a new engine, as the script's): two passes over the
+    script's batches; the first pass is as cold as the script's loop, the second as warm as B."""
+    spec = work / "fresh_spec.json"
+    spec.write_text(json.dumps({"model": str(model), "layer_ids": args.layer_ids, "seq_length": args.seq_length,
+                                "gpu_util": args.gpu_util, "batches": batches}))
+    proc = subprocess.run([sys.executable, "-c", _FRESH_CHILD, str(spec)], capture_output=True, text=True,
+                          timeout=args.script_timeout, env=dict(os.environ))
+    m = re.search(r"^FRESH_RESULT (.*)$", proc.stdout, re.M)
+    if proc.returncode != 0 or not m:
+        return {"returncode": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
+    r = json.loads(m[1])
+    tokens = sum(len(x) for b in batches for x in b)
+    p1, p2 = sum(r["passes"][0]), sum(r["passes"][1])
+    return {"returncode": 0, "init_s": r["init_s"], "first_pass_s": p1, "second_pass_s": p2,
+            "first_pass_tok_s": tokens / p1, "second_pass_tok_s": tokens / p2, "batch_s": r["passes"]}
 
 
 def read_ids(files: list[Path]) -> list[list[int]]:
@@ -246,6 +301,10 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--fp8-side", action="store_true",
                    help="a third side F: the script with SPECULATORS_COMPAT_STORE_DTYPE=fp8, in the same rotation")
+    p.add_argument("--inproc-sides", action="store_true",
+                   help="ablations in this process beside B: S (the script's save path) and H (outputs held)")
+    p.add_argument("--fresh-side", action="store_true",
+                   help="a side P: the generator alone in a fresh process (new engine), two passes")
     args = p.parse_args()
     n = args.n or 4 * args.batch_size
 
@@ -299,20 +358,62 @@ def main() -> int:
     init_b = time.perf_counter() - t
 
     b_batch_s: list[list[float]] = []
+    b_phases: list[dict] = []
+    from speculators_compat import output as shim_output
+    from speculators_compat.extraction.driver import POOL_ATTR, TIMINGS_ATTR
 
-    def pass_b() -> float:
+    def pass_b(mode: str = "B") -> float | dict:
+        """B: outputs dropped at once. In-process ablations (--inproc-sides): S hands every sample to
+        the script's own save path (``output.SaveQueue``: its 4 threads, 2 GiB in flight, files in
+        ``work``); H holds each batch's outputs until two batches later (no saves)."""
+        pool = getattr(gen, POOL_ATTR, None)
+        before = dict(pool.stats) if pool is not None else {}
+        phases = {"begin": 0.0, "steps": 0.0, "finish": 0.0}
+        queue, held, folder = None, [], work / f"inproc_{mode}"
+        if mode == "S":
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            manifest = shim_output.Manifest(folder)
+            manifest.start({"format": shim_output.FORMAT, "ablation": "S"}, False)
+            queue = shim_output.SaveQueue(manifest, 4, 2048 << 20, False)
         if platform == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        each = []
+        each, index = [], 0
         for b in batches:
             t1 = time.perf_counter()
             res = gen.generate(b)
             assert len(res) == len(b)
-            del res
             each.append(time.perf_counter() - t1)
-        b_batch_s.append(each)
-        return time.perf_counter() - t
+            timings = getattr(gen, TIMINGS_ATTR, None) or {}
+            for k in phases:
+                phases[k] += float(timings.get(k, 0.0))
+            if queue is not None:
+                for r in res:
+                    n = len(r["input_ids"])
+                    obj = {"input_ids": r["input_ids"], "hidden_states": [h.contiguous() for h in r["hidden_states"]],
+                           "loss_mask": torch.ones(n, dtype=torch.long)}
+                    queue.submit(index, shim_output.data_name(index), obj, n, [])
+                    index += 1
+            elif mode == "H":
+                held.append(res)
+                del held[:-2]
+            del res
+        if queue is not None:
+            queue.drain()
+        seconds = time.perf_counter() - t
+        held.clear()
+        shutil.rmtree(folder, ignore_errors=True)
+        if mode == "B":
+            b_batch_s.append(each)
+            b_phases.append(phases)
+            return seconds
+        after = dict(pool.stats) if pool is not None else {}
+        return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "first_batch_s": each[0],
+                "generate_s": sum(each), "phases_s": phases,
+                "blocked_on_saves_s": queue.blocked_s if queue is not None else 0.0,
+                "chunks_made": after.get("chunks_created", 0) - before.get("chunks_created", 0),
+                "chunk_mib_made": (after.get("bytes_created", 0) - before.get("bytes_created", 0)) / 2**20}
 
     warm_b = pass_b()
     print(json.dumps({"init_B_s": init_b, "warmup_B_s": warm_b}), flush=True)
@@ -351,6 +452,10 @@ def main() -> int:
 
     write()
     sides = ["A", "F", "B"] if args.fp8_side else ["A", "B"]
+    if args.inproc_sides:
+        sides += ["S", "H"]
+    if args.fresh_side:
+        sides += ["P"]
     for r in range(args.reps):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         rep: dict = {"order": order}
@@ -365,10 +470,17 @@ def main() -> int:
                 if not args.keep:
                     shutil.rmtree(a["_run_dir"], ignore_errors=True)
                 rep[side] = public(a)
+            elif side == "P":
+                rep["P"] = run_fresh(args, model, batches, work)
+                if rep["P"]["returncode"] != 0:
+                    print(rep["P"].get("stderr_tail", ""), file=sys.stderr)
+                    return 1
+            elif side in ("S", "H"):
+                rep[side] = pass_b(side)
             else:
                 s = pass_b()
                 rep["B"] = {"seconds": s, "tokens": tokens, "tok_s": tokens / s, "first_batch_s": b_batch_s[-1][0],
-                            "after_first_s": sum(b_batch_s[-1][1:])}
+                            "after_first_s": sum(b_batch_s[-1][1:]), "phases_s": b_phases[-1]}
         b = rep["B"]["tok_s"]
         a = rep["A"]
         rep["ratio_generate_phase"] = a.get("tok_s_generate_phase", float("nan")) / b
@@ -382,6 +494,16 @@ def main() -> int:
             if lt and "generate_phase_s" in rep[side]:
                 rep[f"{side}_ratio_generate_phase_after_first_batch"] = (
                     (tokens - first_tokens) / (rep[side]["generate_phase_s"] - lt["first_batch_s"]) / b_steady)
+        for side in ("S", "H"):
+            if side in rep:
+                rep[f"{side}_ratio"] = rep[side]["tok_s"] / b
+        if "P" in rep:  # both on a fresh engine: the script's loop against the generator's first pass
+            rep["P_first_over_B"] = rep["P"]["first_pass_tok_s"] / b
+            rep["P_second_over_B"] = rep["P"]["second_pass_tok_s"] / b
+            if "tok_s_generate_phase" in a:
+                rep["A_over_P_first"] = a["tok_s_generate_phase"] / rep["P"]["first_pass_tok_s"]
+            if "F" in rep and "tok_s_generate_phase" in rep["F"]:
+                rep["F_over_P_first"] = rep["F"]["tok_s_generate_phase"] / rep["P"]["first_pass_tok_s"]
         if "F" in rep:
             f = rep["F"]
             rep["F_ratio_generate_phase"] = f.get("tok_s_generate_phase", float("nan")) / b
@@ -413,6 +535,9 @@ def main() -> int:
     }
     for side in ("A", "F"):
         key = f"{side}_ratio_generate_phase_after_first_batch"
+        if all(key in r for r in reps):
+            summary[key] = stats([r[key] for r in reps])
+    for key in ("S_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
     if args.fp8_side:

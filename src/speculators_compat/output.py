@@ -432,7 +432,7 @@ def verify(folder: Path, checksums: bool = True) -> tuple[dict, list[Defect]]:
                "complete": complete, "checksums": checksums, "model": m.run.get("model"),
                "layer_ids": layers, "seq_length": m.run.get("seq_length"),
                "versions": m.run.get("versions"), "storage": m.run.get("storage") or "as captured",
-               "fp8_max_rel_error": _fp8_worst(m.files.values()), "self_checks": len(m.self_checks),
+               "fp8_max_rel_error": fp8_worst(m.files.values()), "self_checks": len(m.self_checks),
                "self_check_max_error": max((c.get("max_rel_error", 0.0) for c in m.self_checks
                                             if c.get("kind") != "engine"), default=None),
                "engine_self_check_rows": sum(c.get("rows", 0) for c in m.self_checks
@@ -441,7 +441,7 @@ def verify(folder: Path, checksums: bool = True) -> tuple[dict, list[Defect]]:
     return summary, defects
 
 
-def _fp8_worst(records) -> list[float] | None:
+def fp8_worst(records) -> list[float] | None:
     """Per layer, the largest FP8 row error of the files whose error was measured (None: none was)."""
     errs = [r["fp8_rel_error"]["max"] for r in records if r.get("fp8_rel_error")]
     return [max(col) for col in zip(*errs)] if errs else None

@@ -128,3 +128,22 @@ def test_without_the_patch_speculators_refuses_fp8_files_loudly(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "KeyError: 'hidden_states'" in out.stderr, out.stderr[-2000:]
+
+
+def test_fp8_files_load_in_spawned_dataloader_workers(tmp_path, monkeypatch):
+    """The decoding standardize_fn pickles: a DataLoader whose workers start with spawn reads FP8
+    files (the workers start with the shim, as under ``speculators-compat run``)."""
+    from speculators.train.data import Eagle3SampleFileDataset
+    from torch.utils.data import DataLoader
+
+    from speculators_compat.launcher import child_environment
+
+    monkeypatch.setenv("PYTHONPATH", child_environment()["PYTHONPATH"])
+
+    torch.save(storage.encode(_sample(layers=4)), tmp_path / "data_0.pt")
+    ds = Eagle3SampleFileDataset(max_len=256, file_list=[str(tmp_path / "data_0.pt")])
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    got, want = next(iter(loader)), ds[0]
+    assert set(got) == set(want) and "hidden_states" in got
+    for key in want:
+        assert torch.equal(got[key], want[key]), key

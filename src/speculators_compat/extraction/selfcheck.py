@@ -117,9 +117,12 @@ class RowCheck:
     def report(self, buffers, slots: dict, final_norm, final_slot, why_not: dict) -> dict:
         """What the driver judges: the token seen per sampled (req_id, row), the rows that failed,
         how many rows each kind saw, and why a kind saw none (``why_not``, by kind)."""
+        import time
+
         import torch
 
-        out: dict[str, Any] = {"rows": 0, "off": not self.rows, "tokens": [], "positions_bad": [], "copies_bad": [],
+        clock, cost = time.perf_counter, {"ids": 0.0, "copies": 0.0, "final": 0.0}
+        out: dict[str, Any] = {"cost_s": cost, "rows": 0, "off": not self.rows, "tokens": [], "positions_bad": [], "copies_bad": [],
                                "final_max_rel_error": 0.0, "final_bad": [], "seen": dict.fromkeys(KINDS, 0),
                                "why_not": dict(why_not)}
         seen = out["seen"]
@@ -127,6 +130,7 @@ class RowCheck:
         for sample in self.samples:
             meta = sample.meta
             out["rows"] += len(meta)
+            mark = clock()
             small = [t for t in (sample.ids, sample.pos) if t is not None]
             if small:  # one transfer for both
                 host_small = torch.stack([t.long() for t in small]).cpu().tolist()
@@ -138,6 +142,8 @@ class RowCheck:
                 if pos is not None:
                     seen["positions"] += len(meta)
                     out["positions_bad"] += [(rid, d, p) for (rid, d), p in zip(meta, pos) if p != d]
+            cost["ids"] += clock() - mark
+            mark = clock()
             gathered = {}
             if sample.layers:
                 order = list(sample.layers)
@@ -154,6 +160,8 @@ class RowCheck:
                         continue
                     same = (a == b).all(dim=1).tolist()
                     out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(meta, same) if not ok]
+            cost["copies"] += clock() - mark
+            mark = clock()
             if sample.final is not None and final_norm is not None:
                 host = gathered.get(final_slot)
                 if host is None:
@@ -174,6 +182,7 @@ class RowCheck:
                 out["final_max_rel_error"] = max([out["final_max_rel_error"], *(e for e in rel if e == e)])
                 out["final_limit"] = limit
                 out["final_bad"] += [(rid, d, e) for (rid, d), e in zip(meta, rel) if not e <= limit]
+            cost["final"] += clock() - mark
         return out
 
 

@@ -199,7 +199,7 @@ def _data_config(script: dict, args, generator, num_samples: int, folder: Path) 
 
 def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     from .. import get_registry, output, settings, storage
-    from ..extraction.driver import CHECK_ATTR
+    from ..extraction.driver import CHECK_ATTR, POOL_ATTR, TIMINGS_ATTR
     from ..extraction.selfcheck import SelfCheckFailed
 
     log = script.get("log") or _log
@@ -303,6 +303,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
                      first in done)
     generate_s: list[float] = []  # per batch, for the timing line at the end
+    phases: dict[str, float] = {}  # inside generate(), summed over the batches
     loop_start = time.perf_counter()
     try:
         for s in progress:
@@ -312,6 +313,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
                 t = time.perf_counter()
                 results = generator.generate(list(batch["input_ids"]) + extra)
                 generate_s.append(time.perf_counter() - t)
+                _add_phases(phases, getattr(generator, TIMINGS_ATTR, None) or {})
             except SelfCheckFailed as exc:
                 manifest.append({"self_check": {"kind": "engine", "batch": s // bs, "sample": first + s,
                                                 "verdict": "fail", "problem": str(exc).splitlines()[0]}})
@@ -335,7 +337,9 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     if generate_s:
         log.info(f"speculators_compat timing: loop {loop_s:.3f} s over {len(generate_s)} batch(es): generate "
                  f"{sum(generate_s):.3f} s (first batch {generate_s[0]:.3f} s), waiting for saves "
-                 f"{queue.blocked_s:.3f} s, the rest {loop_s - sum(generate_s) - queue.blocked_s:.3f} s")
+                 f"{queue.blocked_s:.3f} s, the rest {loop_s - sum(generate_s) - queue.blocked_s:.3f} s; "
+                 f"inside generate: {_phase_text(phases, sum(generate_s))}; "
+                 f"{_pool_text(getattr(generator, POOL_ATTR, None))}")
     if canary.checks:
         log.info(f"speculators_compat self-check: sample {first} captured again in {canary.checks} batch(es), "
                  f"largest row error {canary.worst:.3g} (limit {output.CANARY_TOLERANCE})")
@@ -346,7 +350,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
                  f"match the engine's own token ids, positions and layer outputs"
                  + (f"; final norm largest error {engine['final_max_rel_error']:.3g}" if engine.get("final_rows") else "")
                  + (f"; not covered: {', '.join(engine['not_covered'])}" if engine.get("not_covered") else ""))
-    worst = output._fp8_worst(manifest.files.values()) if store else None
+    worst = output.fp8_worst(manifest.files.values()) if store else None
     if worst:
         log.info(f"speculators_compat: data stored as {store}; largest row error vs the captured rows, per layer "
                  f"{layer_ids}: {', '.join(f'{x:.3g}' for x in worst)} (every {FP8_MEASURE_EVERY}th file measured)")
@@ -361,6 +365,25 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
 FP8_MEASURE_EVERY = 16  # with FP8 storage, every 16th file's row errors go into its manifest line
 
 
+def _add_phases(total: dict, timings: dict) -> None:
+    for key in ("begin", "steps", "finish"):
+        if isinstance(timings.get(key), float):
+            total[key] = total.get(key, 0.0) + timings[key]
+
+
+def _phase_text(phases: dict, generate_s: float) -> str:
+    parts = [f"{k} {phases[k]:.3f} s" for k in ("begin", "steps", "finish") if k in phases]
+    return ", ".join([*parts, f"the rest {generate_s - sum(phases.values()):.3f} s"])
+
+
+def _pool_text(pool) -> str:
+    if pool is None:
+        return "exchange: none"
+    st = pool.stats
+    return (f"exchange: {st['chunks_created']} chunk(s) made ({st['bytes_created'] / 2**20:.0f} MiB), "
+            f"{st['chunks_dropped']} dropped, over {st['calls']} call(s)")
+
+
 class _Canary:
     """The run's self-check: sample 0 of the dataset joins every ``every``-th batch (by number)
     once more; its rows there must match its first capture (``output.canary_error``). A mismatch
@@ -372,6 +395,7 @@ class _Canary:
         self.reference: dict | None = None
         self.saved = saved
         self.checks, self.worst = 0, 0.0
+        self.as_saved = False  # the reference was read back from an FP8 file: compare FP8-rounded rows
 
     def joins(self, batch_number: int) -> list:
         return [self.ids] if self.every and batch_number % self.every == self.every - 1 else []
@@ -388,7 +412,8 @@ class _Canary:
 
             self.reference = torch.load(self.folder / output.data_name(self.first), weights_only=True)
         if self.reference is not None and storage.FP8_KEY in self.reference:  # saved as FP8: compare as saved
-            self.reference = storage.decode(self.reference)
+            self.reference, self.as_saved = storage.decode(self.reference), True
+        if self.as_saved:
             again = storage.decode(storage.encode(again))
         if self.reference is None:
             raise RuntimeError(f"speculators-compat self-check: sample {self.first}'s first capture is neither "

@@ -20,19 +20,23 @@ from ._signatures import import_attr, parameters
 TRAIN_DATA = "speculators.train.data"
 
 
-def decoding(standardize_fn):
-    """``standardize_fn`` that first decodes an FP8 sample (idempotent: never wraps twice)."""
-    if getattr(standardize_fn, "_speculators_compat_decodes", False):
-        return standardize_fn
+class Decoding:
+    """``standardize_fn`` that first decodes an FP8 sample; a module-level class, so a DataLoader
+    whose workers start with spawn can pickle it (a closure could not)."""
 
-    @functools.wraps(standardize_fn)
-    def standardize(data):
+    def __init__(self, standardize_fn):
+        self.standardize_fn = standardize_fn
+        functools.update_wrapper(self, standardize_fn)
+
+    def __call__(self, data):
         from .. import storage
 
-        return standardize_fn(storage.decode(data))
+        return self.standardize_fn(storage.decode(data))
 
-    standardize._speculators_compat_decodes = True  # type: ignore[attr-defined]
-    return standardize
+
+def decoding(standardize_fn):
+    """``standardize_fn`` wrapped in ``Decoding`` (idempotent: never wraps twice)."""
+    return standardize_fn if isinstance(standardize_fn, Decoding) else Decoding(standardize_fn)
 
 
 def _dataset_init(wrapped, instance, args, kwargs):
