@@ -3,11 +3,9 @@
 - ``report [--json] [--matrix] [--import-targets] [--patch ID]``: versions found, every patch's gate
   and status (``--patch``: everything about one patch).
 - ``check [--json] [--junit PATH]``: probes the installed vLLM/speculators (see check.py).
-- ``run <command…>``: the command, with the shim active in it and every Python process it starts
-  (see launcher.py).
-- ``verify DIR [--quick] [--json]``: a data folder against its manifest (see output.py).
-- ``demo``: the test-bed demo (tiny model, real generator, HF reference) — see demo.py.
-- ``--version``.
+- ``run <command…>``: the command, with the shim active in every Python process (launcher.py).
+- ``verify DIR [--quick] [--json]``: a data folder against its manifest (output.py).
+- ``demo``: the test-bed demo (tiny model, real generator, HF reference); ``--version``.
 """
 
 from __future__ import annotations

@@ -58,15 +58,10 @@ class PatchError(RuntimeError):
 class Call:
     """One call into vLLM that a patch makes, or that the speculators code it keeps makes.
 
-    ``module``/``attr``: where vLLM defines the callable (``attr`` dotted: ``Class.method``; a
-    class means its constructor). ``args``: what is passed positionally (their names are for
-    messages, their count binds); ``kwargs``: the keyword names passed. ``speculators``: a PEP 440
-    specifier limiting the call to those speculators releases ("" = all). ``optional``: the
-    patch calls it only where it exists (a fallback covers its absence).
-
-    ``speculators-compat check`` binds every declared call against the installed signature
-    (required parameters supplied, keywords accepted), so a patch and its probe cannot drift
-    apart: the declaration is what the patch's code uses (see ``Patch.calls``).
+    ``attr`` dotted (``Class.method``; a class: its constructor); ``args`` passed positionally
+    (their count binds); ``kwargs`` the keyword names; ``speculators`` a specifier limiting the
+    call to those releases; ``optional``: called only where it exists. ``check`` binds each
+    declared call against the installed signature, so a patch and its probe cannot drift apart.
     """
 
     module: str

