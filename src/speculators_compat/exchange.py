@@ -2,8 +2,9 @@
 
 Workers write captured rows straight into shared memory the caller maps; the caller's result
 tensors are that memory. Chunks are created, mapped and (on GPUs) page-locked once and reused: a
-segment returns to the pool when the caller drops its last tensor of it, and idle capacity is
-trimmed to twice the largest call. Details: docs/MODULES.md.
+segment returns to the pool when the caller drops its last tensor of it; capacity grows to what
+the caller keeps alive (results being saved) plus one call; idle chunks beyond it are dropped.
+Details: docs/MODULES.md.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class ExchangePool:
         self._next_id = 0
         self._released: collections.deque = collections.deque()
         self.peak_call_bytes = 0
+        self.peak_demand = 0  # largest (bytes the caller still held + the call) seen at an allocation
         self.stats = {"calls": 0, "chunks_created": 0, "chunks_dropped": 0, "bytes_created": 0}
 
     # -- bookkeeping --------------------------------------------------------------------
@@ -210,7 +212,9 @@ class ExchangePool:
             padded = _round_up(size)
             parts[-1][1] += padded - size
             layout.append((parts, padded))
-        self.peak_call_bytes = max(self.peak_call_bytes, sum(padded for _, padded in layout))
+        call_bytes = sum(padded for _, padded in layout)
+        self.peak_call_bytes = max(self.peak_call_bytes, call_bytes)
+        self.peak_demand = max(self.peak_demand, sum(c.leased for c in self.chunks.values()) + call_bytes)
         placements: dict = {}
         missing, used = [], set()
 
@@ -229,10 +233,14 @@ class ExchangePool:
                     break
             else:
                 missing.append((parts, padded))
+        missing = [run for run in missing if not self._place_split(run[0], place)]
         new = []
         if missing:
+            need = sum(padded for _, padded in missing)
+            # grow to what the caller keeps alive plus a call (results held while saved): no chunk per call
+            grow = max(MIN_CHUNK, need, self._target() - self.capacity)
             try:
-                chunk = self._new_chunk(max(MIN_CHUNK, sum(padded for _, padded in missing)))
+                chunk = self._new_chunk(_round_up(grow, MIN_CHUNK))
             except BaseException:
                 self.release(placements)
                 raise
@@ -243,7 +251,7 @@ class ExchangePool:
                     raise ExchangeError(f"a new {chunk.size}-byte chunk could not hold {padded} bytes")
                 place(parts, chunk, off)
         dropped = []
-        keep = 2 * self.peak_call_bytes
+        keep = self._target()
         capacity = self.capacity
         for chunk in sorted(self.chunks.values(), key=lambda c: c.size, reverse=True):
             if capacity <= keep:
@@ -255,6 +263,30 @@ class ExchangePool:
                 dropped.append(chunk.id)
                 self.stats["chunks_dropped"] += 1
         return placements, new, dropped
+
+    def _target(self) -> int:
+        """Capacity kept: the largest demand (held + call) plus one call of room (2x the largest
+        call when the caller holds nothing between calls)."""
+        return self.peak_demand + self.peak_call_bytes
+
+    def _place_split(self, parts, place) -> bool:
+        """A run with no contiguous room, placed key by key in the holes (more copies, no new
+        memory); False (nothing placed) where the holes cannot hold every key."""
+        taken = []
+        for key, reserved in parts:
+            size = _round_up(reserved)
+            for chunk in self.chunks.values():
+                off = chunk.take(size)
+                if off is not None:
+                    taken.append((key, chunk, off, size))
+                    break
+            else:
+                for _key, chunk, off, size in taken:
+                    chunk.give(off, size)
+                return False
+        for key, chunk, off, size in taken:
+            place([(key, size)], chunk, off)
+        return True
 
     def release(self, placements: dict) -> None:
         """Give back leases that never became result tensors (a failed call)."""

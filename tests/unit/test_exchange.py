@@ -53,7 +53,6 @@ def test_results_held_by_the_caller_are_never_reused(pool):
     p1, new1, _ = pool.allocate(sizes)
     held = _views(pool, p1, sizes)
     p2, new2, _ = pool.allocate(sizes)
-    assert len(new2) == 1  # the first chunk is fully leased
     first = {(c, o) for c, o, _ in p1.values()}
     assert not first & {(c, o) for c, o, _ in p2.values()}
     del held
@@ -70,25 +69,65 @@ def test_freed_segments_coalesce(pool):
     assert pool.chunks[new[0].id].free == [(0, MIN_CHUNK)]
 
 
-def test_idle_capacity_is_trimmed_to_twice_the_largest_call(pool):
+def test_room_grows_to_held_results_plus_a_call_once_then_is_reused(pool):
     big = {"x": 3 * MIN_CHUNK}
     p, new, _ = pool.allocate(big)
-    held = _views(pool, p, big)
-    p2, new2, _ = pool.allocate(big)  # a second chunk while the first is held
-    del held
-    views2 = _views(pool, p2, big)
-    del views2
+    assert [c.size for c in new] == [6 * MIN_CHUNK]  # the call, plus one call of room
+    held = [_views(pool, p, big)]
+    p, new, _ = pool.allocate(big)  # the first result still held (being saved): fits in the room
+    assert new == []
+    held.append(_views(pool, p, big))
+    p, new, _ = pool.allocate(big)  # two held: grows once, to the demand (9) plus a call (3)
+    assert [c.size for c in new] == [6 * MIN_CHUNK]
+    held.append(_views(pool, p, big))
+    for _ in range(6):  # a steady pipeline of two results in flight: no new memory
+        held.pop(0)
+        gc.collect()
+        p, new, dropped = pool.allocate(big)
+        assert new == [] and dropped == []
+        held.append(_views(pool, p, big))
+    assert pool.stats["chunks_created"] == 2 and pool.capacity == 12 * MIN_CHUNK
+    del held, p
     gc.collect()
-    assert pool.capacity == 6 * MIN_CHUNK  # 2x the peak: kept
-    small = {"s": ALIGN}
+
+
+def test_idle_capacity_beyond_the_largest_demand_is_trimmed(pool):
+    big = {"x": 3 * MIN_CHUNK}
+    held = []
     for _ in range(3):
-        ps, news, dropped = pool.allocate(small)
-        assert news == [] and dropped == []
-        pool.release(ps)
-    pool.peak_call_bytes = ALIGN  # as if only small calls had been seen
+        p, _, _ = pool.allocate(big)
+        held.append(_views(pool, p, big))
+    del held, p
+    gc.collect()
+    capacity = pool.capacity
+    small = {"s": ALIGN}
     ps, news, dropped = pool.allocate(small)
-    assert len(dropped) == 1 and pool.capacity == 3 * MIN_CHUNK
+    assert news == [] and dropped == [] and pool.capacity == capacity  # within the largest demand: kept
     pool.release(ps)
+    pool.peak_call_bytes = pool.peak_demand = ALIGN  # as if only small calls had been seen
+    ps, news, dropped = pool.allocate(small)
+    assert len(dropped) == 1 and pool.capacity < capacity  # the idle chunk goes; the one in use stays
+    pool.release(ps)
+
+
+def test_a_run_without_contiguous_room_is_placed_key_by_key_in_the_holes(pool):
+    quarter = {k: MIN_CHUNK // 4 for k in "abcdefgh"}
+    p, new, _ = pool.allocate(quarter)
+    assert len(new) == 1 and new[0].size == 4 * MIN_CHUNK  # the call and a call of room
+    views = _views(pool, p, quarter)
+    p_fill, new_fill, _ = pool.allocate(quarter)  # fills the room: the chunk is full
+    assert new_fill == []
+    filled = _views(pool, p_fill, quarter)
+    for k in "aceg":  # free every other quarter: four holes of MIN/4, none larger
+        del views[k]
+    gc.collect()
+    p2, new2, _ = pool.allocate_runs([[("x", MIN_CHUNK // 4), ("y", MIN_CHUNK // 4)]])  # a run of MIN/2
+    assert new2 == []  # its two keys went into two holes
+    assert p2["x"][0] == p2["y"][0] == new[0].id and p2["x"][1] != p2["y"][1]
+    taken = {(p[k][1]) for k in "bdfh"}
+    assert not taken & {p2["x"][1], p2["y"][1]}
+    del views, filled
+    pool.release(p2)
 
 
 def test_failed_call_gives_its_leases_back(pool):
