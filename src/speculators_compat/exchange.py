@@ -237,10 +237,17 @@ class ExchangePool:
         new = []
         if missing:
             need = sum(padded for _, padded in missing)
-            # grow to what the caller keeps alive plus a call (results held while saved): no chunk per call
-            grow = max(MIN_CHUNK, need, self._target() - self.capacity)
+            # grow to what the caller keeps alive plus a call (results held while saved): no chunk per
+            # call; where the memory cannot hold that, only what this call needs (as it always could)
+            grow = _round_up(max(MIN_CHUNK, need, self._target() - self.capacity), MIN_CHUNK)
+            least = max(MIN_CHUNK, need)
             try:
-                chunk = self._new_chunk(_round_up(grow, MIN_CHUNK))
+                try:
+                    chunk = self._new_chunk(grow)
+                except ExchangeError:
+                    if grow <= least:
+                        raise
+                    chunk = self._new_chunk(least)
             except BaseException:
                 self.release(placements)
                 raise

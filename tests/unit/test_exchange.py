@@ -91,6 +91,27 @@ def test_room_grows_to_held_results_plus_a_call_once_then_is_reused(pool):
     gc.collect()
 
 
+def test_where_the_memory_cannot_hold_the_room_a_call_gets_what_it_needs(pool, monkeypatch):
+    real = exchange.os.posix_fallocate
+    limit = 3 * MIN_CHUNK  # e.g. a small /dev/shm: the call fits, the call plus a call of room does not
+
+    def small_shm(fd, offset, length):
+        if length > limit:
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(exchange.os, "posix_fallocate", small_shm)
+    big = {"x": 3 * MIN_CHUNK}
+    p, new, _ = pool.allocate(big)
+    assert [c.size for c in new] == [3 * MIN_CHUNK]
+    pool.release(p)
+    p, new, _ = pool.allocate(big)  # and the next call reuses it
+    assert new == []
+    pool.release(p)
+    with pytest.raises(ExchangeError, match="cannot reserve"):  # more than the memory holds: one clear error
+        pool.allocate({"y": 4 * MIN_CHUNK})
+
+
 def test_idle_capacity_beyond_the_largest_demand_is_trimmed(pool):
     big = {"x": 3 * MIN_CHUNK}
     held = []
