@@ -3,7 +3,8 @@
 Workers write captured rows straight into shared memory the caller maps; the caller's result
 tensors are that memory. Chunks are created, mapped and (on GPUs) page-locked once and reused: a
 segment returns to the pool when the caller drops its last tensor of it; capacity grows to what
-the caller keeps alive (results being saved) plus one call; idle chunks beyond it are dropped.
+the caller keeps alive (results being saved) plus one call, the largest of the last ``WINDOW``
+calls; idle chunks beyond it are dropped.
 Details: docs/MODULES.md.
 """
 
@@ -20,6 +21,7 @@ import weakref
 ALIGN = 4096  # segment alignment (bytes): page-aligned rows for the copies
 GRAIN = 64  # keys inside a run (allocate_runs): back to back where their sizes are multiples of it
 MIN_CHUNK = 64 << 20  # smallest new chunk (bytes)
+WINDOW = 32  # calls whose demand the pool keeps room for (a caller that held many once lets it go)
 
 
 class ExchangeError(RuntimeError):
@@ -158,11 +160,21 @@ class ExchangePool:
         self.chunks: dict[int, Chunk] = {}
         self._next_id = 0
         self._released: collections.deque = collections.deque()
-        self.peak_call_bytes = 0
-        self.peak_demand = 0  # largest (bytes the caller still held + the call) seen at an allocation
+        # (bytes the caller still held + the call, the call) of the last WINDOW allocations
+        self._recent: collections.deque = collections.deque(maxlen=WINDOW)
         self.stats = {"calls": 0, "chunks_created": 0, "chunks_dropped": 0, "bytes_created": 0}
 
     # -- bookkeeping --------------------------------------------------------------------
+    @property
+    def peak_demand(self) -> int:
+        """The largest (held + call) bytes of the last WINDOW calls."""
+        return max((demand for demand, _ in self._recent), default=0)
+
+    @property
+    def peak_call_bytes(self) -> int:
+        """The largest call of the last WINDOW calls."""
+        return max((call for _, call in self._recent), default=0)
+
     @property
     def capacity(self) -> int:
         return sum(c.size for c in self.chunks.values())
@@ -213,8 +225,7 @@ class ExchangePool:
             parts[-1][1] += padded - size
             layout.append((parts, padded))
         call_bytes = sum(padded for _, padded in layout)
-        self.peak_call_bytes = max(self.peak_call_bytes, call_bytes)
-        self.peak_demand = max(self.peak_demand, sum(c.leased for c in self.chunks.values()) + call_bytes)
+        self._recent.append((sum(c.leased for c in self.chunks.values()) + call_bytes, call_bytes))
         placements: dict = {}
         missing, used = [], set()
 
@@ -273,7 +284,7 @@ class ExchangePool:
 
     def _target(self) -> int:
         """Capacity kept: the largest demand (held + call) plus one call of room (2x the largest
-        call when the caller holds nothing between calls)."""
+        call when the caller holds nothing between calls), over the last WINDOW calls."""
         return self.peak_demand + self.peak_call_bytes
 
     def _place_split(self, parts, place) -> bool:

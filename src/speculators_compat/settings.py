@@ -48,6 +48,9 @@ SETTINGS: dict[str, Setting] = {
                 minimum=0),
         Setting("SPECULATORS_COMPAT_ATTENTION_BACKEND", "text", None,
                 "attention backend for the generator's engine, e.g. `TRITON_ATTN`"),
+        Setting("SPECULATORS_COMPAT_ADDITIONAL_CONFIG", "text", None,
+                "a JSON object for the generator's engine `additional_config` (vLLM's `--additional-config`), "
+                "e.g. `{\"gdn_prefill_backend\": \"triton\"}`"),
         Setting("SPECULATORS_COMPAT_SHM_DIR", "text", None,
                 "where captured states are exchanged (default `/dev/shm`)"),
         Setting("SPECULATORS_COMPAT_RPC_TIMEOUT", "number", 600.0,

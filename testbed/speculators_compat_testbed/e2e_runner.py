@@ -92,7 +92,53 @@ def _platform() -> str:
 
 
 def run(args, progress=None) -> dict:
+    """One cell: build the tiny model, extract hidden states with speculators' generator, compare
+    every case with the reference(s); returns the result dict the runner writes as JSON."""
     say = progress or (lambda msg: None)
+    platform, engine_dtype, engine_dtype_via = _prepare_process(args)
+    result, versions = _start_result(args, platform, engine_dtype, engine_dtype_via)
+    model_dir, hf_dir = _tiny_model(args, result, say)
+    result["max_model_len"] = args.max_model_len
+    layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
+
+    extracted = _extract_hidden_states(args, result, model_dir, layer_ids, engine_dtype, say)
+    if extracted is None:  # the failure is the result
+        return result
+    generator, batches, outputs = extracted
+    _record_engine(result, generator)
+
+    say("computing the HF transformers reference (forward hooks on the decoder layers)")
+    captured_dtype = outputs["mixed"][0]["hidden_states"][0].dtype
+    ids = sorted(generator.layer_ids)  # one tensor per requested id (a repeated id: its layer again)
+    result["layer_ids"] = ids
+    result["dtype"] = str(captured_dtype).replace("torch.", "")
+    max_keep = args.max_model_len - 1
+    device = "cuda" if platform == "cuda" else "cpu"
+    seqs_by_case = {name: [s[:max_keep] for s in batches[name]] for name in ("mixed", "chunked", "truncated")}
+
+    references, controls, ref_margins, l4s = _hf_references(result, model_dir, hf_dir, ids, seqs_by_case, captured_dtype,
+                                                            device, say)
+    spreads = _hf_spreads(result, references, hf_dir, ids, seqs_by_case, captured_dtype, device, say)
+    primary = _vllm_reference_or_hf(args, result, model_dir, ids, seqs_by_case, captured_dtype, platform, versions, l4s,
+                                    references, controls, ref_margins, say)
+    result["reference"] = primary
+
+    _compare_references(args, result, outputs, seqs_by_case, ids, captured_dtype, device, l4s, references, controls,
+                        ref_margins, spreads)
+    _case_verdicts(result, outputs, batches, seqs_by_case, ids, captured_dtype, primary)
+    settle = getattr(args, "settle", None)
+    if settle == "always" or (settle == "on-fail" and not result["passed"]):
+        say("the reference disagrees: the same engine's own forward (shim off), scheduled as the generator")
+        result["settled"] = _settle(args, result, outputs, model_dir, captured_dtype, ids, seqs_by_case, platform, versions)
+    from speculators_compat_testbed.provenance import machine
+
+    result["provenance"]["machine"] = machine()  # the GPU is known once the reference ran on it
+    return result
+
+
+def _prepare_process(args) -> tuple[str, str, str | None]:
+    """This process's environment (the shim off for ``--unpatched``, the arch's vLLM variables),
+    the shim activated unless disabled, and the engine dtype: ``(platform, engine_dtype, via)``."""
     if args.unpatched:
         # `python -m speculators_compat_testbed...` has imported (and activated) the package
         # already: deactivate here, and disable it for the workers through the environment.
@@ -115,10 +161,14 @@ def run(args, progress=None) -> dict:
         # correct implementations (HF bf16 vs HF fp32 alone: up to 18%; benchmarks/results/arch)
         engine_dtype = "float32"
     engine_dtype_via = _force_engine_dtype(engine_dtype) if engine_dtype != "auto" else None
+    return platform, engine_dtype, engine_dtype_via
 
+
+def _start_result(args, platform: str, engine_dtype: str, engine_dtype_via: str | None) -> tuple[dict, dict]:
+    """The result's head (provenance, arch, platform, installed versions, engine dtype) and the versions."""
     from speculators_compat.versions import installed_versions
 
-    from speculators_compat_testbed.provenance import portable_path, provenance
+    from speculators_compat_testbed.provenance import provenance
 
     versions = {k: v.version for k, v in installed_versions().items()}
     result: dict = {
@@ -131,6 +181,15 @@ def run(args, progress=None) -> dict:
         "engine_dtype_via": engine_dtype_via,
         "cases": {},
     }
+    return result, versions
+
+
+def _tiny_model(args, result: dict, say):
+    """The checkpoint the cell runs (``--model-dir``, or the tiny model built for ``--arch``) and the
+    directory HF loads (its dequantized copy for a quantized model): ``(model_dir, hf_dir)``."""
+    from speculators_compat_testbed import tiny_models
+    from speculators_compat_testbed.provenance import portable_path
+
     overrides = json.loads(args.overrides) if args.overrides else None
     result["overrides"] = overrides
     quantization = getattr(args, "quantization", None)
@@ -149,77 +208,100 @@ def run(args, progress=None) -> dict:
     hf_dir = tiny_models.hf_reference_dir(model_dir)  # a quantized model: HF on its dequantized copy
     if hf_dir != model_dir:
         result["hf_model_dir"] = f"{portable_path(model_dir)}/{hf_dir.name}"
-    result["max_model_len"] = args.max_model_len
-    layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else None
+    return model_dir, hf_dir
 
+
+def _extract_hidden_states(args, result: dict, model_dir, layer_ids, engine_dtype: str, say):
+    """Start speculators' generator on vLLM and run the batches: ``(generator, batches, outputs)``,
+    or None when anything failed (then ``result["error"]`` says what: the failure is the result)."""
     t0 = time.perf_counter()
     try:
-        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-
-        say("starting speculators' VllmHiddenStatesGenerator on vLLM (model load + engine start: tens of seconds on CPU)")
-        kwargs = {"layer_ids": layer_ids, "max_model_len": args.max_model_len}
-        if args.gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-        result["max_num_batched_tokens"] = args.max_num_batched_tokens
-        if args.max_num_batched_tokens is not None:
-            import inspect
-
-            if "max_num_batched_tokens" in inspect.signature(VllmHiddenStatesGenerator.__init__).parameters:
-                kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-                result["max_num_batched_tokens_via"] = "generator parameter"
-            else:  # speculators 0.3.0
-                result["max_num_batched_tokens_via"] = _engine_setting(
-                    "SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", "SchedulerConfig",
-                    args.max_num_batched_tokens)
-        if args.tensor_parallel_size != 1:
-            kwargs["tensor_parallel_size"] = args.tensor_parallel_size
-        result["tensor_parallel_size"] = args.tensor_parallel_size
-        generator = VllmHiddenStatesGenerator(str(model_dir), **kwargs)
-        result["init_s"] = time.perf_counter() - t0
-        model_dtype = str(getattr(getattr(generator.vllm_config, "model_config", None), "dtype", "")).replace("torch.", "")
-        if engine_dtype != "auto" and model_dtype != engine_dtype:
-            raise RuntimeError(f"expected the generator's engine in {engine_dtype}; found {model_dtype}")
-        budget = getattr(generator.vllm_config.scheduler_config, "max_num_batched_tokens", None)
-        if args.max_num_batched_tokens is not None and budget != args.max_num_batched_tokens:
-            raise RuntimeError(f"expected the generator's engine to take {args.max_num_batched_tokens} tokens per "
-                               f"step; found {budget}")
-        sc = generator.vllm_config.scheduler_config
-        result["scheduler"] = {k: getattr(sc, k) for k in _SCHEDULE_KEYS if isinstance(getattr(sc, k, None), (int, bool))}
-        cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
-        result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
-        custom_ops = getattr(getattr(generator.vllm_config, "compilation_config", None), "custom_ops", None)
-        if isinstance(custom_ops, list):  # the kernels it picks (engine-options: CPU rotary op off)
-            result["engine"]["custom_ops"] = list(custom_ops)
-        rng = random.Random(args.seed)
-        vocab = generator.tokenizer.vocab_size if hasattr(generator.tokenizer, "vocab_size") else 1000
-        vocab = min(vocab, 1000)
-        batches = {
-            "mixed": _sequences(_lengths_mixed(), rng, vocab),
-            "chunked": _sequences(_lengths_chunked(rng), rng, vocab),
-            "truncated": _sequences([args.max_model_len + 50, 12], rng, vocab),
-        }
-        outputs = {}
-        if getattr(args, "plant", None):
-            from speculators_compat_testbed.fault_runner import _arm_plant
-
-            generator.executor.collective_rpc(_arm_plant, args=(args.plant,))
-            result["planted"] = args.plant
-        say(f"engine ready in {result['init_s']:.1f}s; extracting hidden states")
-        for name in ("mixed", "chunked", "truncated"):
-            say(f"  generate: {name} batch ({len(batches[name])} sequences, {sum(len(x) for x in batches[name])} tokens)")
-            t = time.perf_counter()
-            outputs[name] = generator.generate(batches[name])
-            result["cases"][name] = {"seconds": time.perf_counter() - t, "tokens": sum(len(s) for s in batches[name])}
-        outputs["repeat"] = generator.generate(batches["mixed"])
-        timings = getattr(generator, "_speculators_compat_timings", None) or {}
-        result["driver"] = timings.get("driver")
-        result["self_check"] = getattr(generator, "_speculators_compat_self_check", None)
+        generator = _start_generator(args, result, model_dir, layer_ids, engine_dtype, say, t0)
+        batches, outputs = _generate(args, result, generator, say)
     except BaseException as exc:  # noqa: BLE001 - the failure is the result
         result["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
         result["init_s"] = result.get("init_s")
-        return result
+        return None
+    return generator, batches, outputs
 
-    # What applied: in this process, and in the worker (asked over the shim's RPC).
+
+def _start_generator(args, result: dict, model_dir, layer_ids, engine_dtype: str, say, t0: float):
+    """speculators' ``VllmHiddenStatesGenerator`` on ``model_dir``, checked to run the engine dtype
+    and token budget asked for; records its scheduler and engine settings."""
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    say("starting speculators' VllmHiddenStatesGenerator on vLLM (model load + engine start: tens of seconds on CPU)")
+    kwargs = {"layer_ids": layer_ids, "max_model_len": args.max_model_len}
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    result["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_batched_tokens is not None:
+        import inspect
+
+        if "max_num_batched_tokens" in inspect.signature(VllmHiddenStatesGenerator.__init__).parameters:
+            kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+            result["max_num_batched_tokens_via"] = "generator parameter"
+        else:  # speculators 0.3.0
+            result["max_num_batched_tokens_via"] = _engine_setting(
+                "SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", "SchedulerConfig",
+                args.max_num_batched_tokens)
+    if args.tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    result["tensor_parallel_size"] = args.tensor_parallel_size
+    generator = VllmHiddenStatesGenerator(str(model_dir), **kwargs)
+    result["init_s"] = time.perf_counter() - t0
+    model_dtype = str(getattr(getattr(generator.vllm_config, "model_config", None), "dtype", "")).replace("torch.", "")
+    if engine_dtype != "auto" and model_dtype != engine_dtype:
+        raise RuntimeError(f"expected the generator's engine in {engine_dtype}; found {model_dtype}")
+    budget = getattr(generator.vllm_config.scheduler_config, "max_num_batched_tokens", None)
+    if args.max_num_batched_tokens is not None and budget != args.max_num_batched_tokens:
+        raise RuntimeError(f"expected the generator's engine to take {args.max_num_batched_tokens} tokens per "
+                           f"step; found {budget}")
+    sc = generator.vllm_config.scheduler_config
+    result["scheduler"] = {k: getattr(sc, k) for k in _SCHEDULE_KEYS if isinstance(getattr(sc, k, None), (int, bool))}
+    cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
+    result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
+    custom_ops = getattr(getattr(generator.vllm_config, "compilation_config", None), "custom_ops", None)
+    if isinstance(custom_ops, list):  # the kernels it picks (engine-options: CPU rotary op off)
+        result["engine"]["custom_ops"] = list(custom_ops)
+    return generator
+
+
+def _generate(args, result: dict, generator, say):
+    """The battery through the generator (mixed, chunked, truncated, then mixed again as "repeat"),
+    with a planted fault armed first when asked: ``(batches, outputs)``."""
+    rng = random.Random(args.seed)
+    vocab = generator.tokenizer.vocab_size if hasattr(generator.tokenizer, "vocab_size") else 1000
+    vocab = min(vocab, 1000)
+    batches = {
+        "mixed": _sequences(_lengths_mixed(), rng, vocab),
+        "chunked": _sequences(_lengths_chunked(rng), rng, vocab),
+        "truncated": _sequences([args.max_model_len + 50, 12], rng, vocab),
+    }
+    outputs = {}
+    if getattr(args, "plant", None):
+        from speculators_compat_testbed.fault_runner import _arm_plant
+
+        generator.executor.collective_rpc(_arm_plant, args=(args.plant,))
+        result["planted"] = args.plant
+    say(f"engine ready in {result['init_s']:.1f}s; extracting hidden states")
+    for name in ("mixed", "chunked", "truncated"):
+        say(f"  generate: {name} batch ({len(batches[name])} sequences, {sum(len(x) for x in batches[name])} tokens)")
+        t = time.perf_counter()
+        outputs[name] = generator.generate(batches[name])
+        result["cases"][name] = {"seconds": time.perf_counter() - t, "tokens": sum(len(s) for s in batches[name])}
+    outputs["repeat"] = generator.generate(batches["mixed"])
+    timings = getattr(generator, "_speculators_compat_timings", None) or {}
+    result["driver"] = timings.get("driver")
+    result["self_check"] = getattr(generator, "_speculators_compat_self_check", None)
+    return batches, outputs
+
+
+def _record_engine(result: dict, generator) -> None:
+    """What applied: in this process, and in the worker (asked over the shim's RPC); then the
+    generator's engine is shut down."""
+    import speculators_compat
+
     result["patches"] = [r for r in speculators_compat.report() if r["status"] != "pending"]
     try:
         from speculators_compat.extraction.driver import describe
@@ -233,19 +315,13 @@ def run(args, progress=None) -> dict:
     except Exception:  # noqa: BLE001
         pass
 
-    import torch
 
+def _hf_references(result: dict, model_dir, hf_dir, ids, seqs_by_case, captured_dtype, device: str, say):
+    """HF's layer outputs for every case: the reference (HF, or HF plus the harness's
+    llama_4_scaling where HF lacks it, plain HF then a negative control) and each one's router
+    margins: ``(references, controls, ref_margins, l4s)``."""
     from speculators_compat_testbed import llama4_scaling
-    from speculators_compat_testbed.reference import compare, hf_layer_outputs, load_hf_model
-
-    say("computing the HF transformers reference (forward hooks on the decoder layers)")
-    captured_dtype = outputs["mixed"][0]["hidden_states"][0].dtype
-    ids = sorted(generator.layer_ids)  # one tensor per requested id (a repeated id: its layer again)
-    result["layer_ids"] = ids
-    result["dtype"] = str(captured_dtype).replace("torch.", "")
-    max_keep = args.max_model_len - 1
-    device = "cuda" if platform == "cuda" else "cpu"
-    seqs_by_case = {name: [s[:max_keep] for s in batches[name]] for name in ("mixed", "chunked", "truncated")}
+    from speculators_compat_testbed.reference import hf_layer_outputs, load_hf_model
 
     # References: name -> {case: [[tensor per layer] per sequence]}; negative controls alike.
     l4s = llama4_scaling.config_value(model_dir)
@@ -280,6 +356,16 @@ def run(args, progress=None) -> dict:
         references["hf"] = hf_plain
         ref_margins["hf"] = hf_plain_margins
     del hf_model
+    return references, controls, ref_margins, l4s
+
+
+def _hf_spreads(result: dict, references: dict, hf_dir, ids, seqs_by_case, captured_dtype, device: str, say) -> dict:
+    """For a bf16/fp16 capture against HF: HF's own float32 forward, so each row's bound follows
+    HF's bf16-vs-fp32 spread: reference name -> {case: [[row spread [len] per layer] per sequence]}."""
+    import torch
+
+    from speculators_compat_testbed.reference import hf_layer_outputs, load_hf_model
+
     spreads: dict = {}  # reference name -> {case: [[row spread [len] per layer] per sequence]}
     if "hf" in references and captured_dtype in (torch.bfloat16, torch.float16):
         say("computing HF's own float32 forward (each bf16 row's bound follows HF's bf16-vs-fp32 spread)")
@@ -296,6 +382,13 @@ def run(args, progress=None) -> dict:
                 "p99": float(torch.quantile(torch.cat([x for per in sp for x in per]).double(), 0.99))}
             for n, sp in spreads["hf"].items()
         }
+    return spreads
+
+
+def _vllm_reference_or_hf(args, result: dict, model_dir, ids, seqs_by_case, captured_dtype, platform: str, versions: dict,
+                          l4s, references: dict, controls: dict, ref_margins: dict, say) -> str:
+    """With ``--reference vllm``, add vLLM's own forward (shim off) as the reference; returns the
+    name of the primary reference."""
     if args.reference == "vllm":
         say("computing the vLLM own-forward reference (plain vllm.LLM, shim disabled, one prompt at a time)")
         variants = ["own"] + (["llama_4_scaling_off"] if l4s is not None else [])
@@ -316,7 +409,16 @@ def run(args, progress=None) -> dict:
         primary = "vllm_own_forward"
     else:
         primary = "hf" if "hf" in references else "hf+harness_llama_4_scaling"
-    result["reference"] = primary
+    return primary
+
+
+def _compare_references(args, result: dict, outputs: dict, seqs_by_case, ids, captured_dtype, device: str, l4s,
+                        references: dict, controls: dict, ref_margins: dict, spreads: dict) -> None:
+    """Every case's captured rows against every reference (``result["references"]``) and every
+    negative control (``result["negative_controls"]``); ``--save-tensors`` writes the raw tensors."""
+    import torch
+
+    from speculators_compat_testbed.reference import compare
 
     captured = {n: [[h.to(device) for h in o["hidden_states"]] for o in outputs[n]] for n in seqs_by_case}
     if getattr(args, "save_tensors", None):  # raw material for measuring the row-error distribution
@@ -367,6 +469,12 @@ def run(args, progress=None) -> dict:
             for c, ref in controls.items()
         }
 
+
+def _case_verdicts(result: dict, outputs: dict, batches: dict, seqs_by_case, ids, captured_dtype, primary: str) -> None:
+    """Each case's verdict (shapes, tokens, the primary reference's errors), the repeat call's
+    bit-identity, and ``result["passed"]``."""
+    import torch
+
     for name, seqs in seqs_by_case.items():
         out = outputs[name]
         case = result["cases"][name]
@@ -406,14 +514,6 @@ def run(args, progress=None) -> dict:
     result["passed"] = all(result["cases"][n]["passed"] for n in ("mixed", "chunked", "truncated")) and result["cases"][
         "repeat"
     ]["identical"]
-    settle = getattr(args, "settle", None)
-    if settle == "always" or (settle == "on-fail" and not result["passed"]):
-        say("the reference disagrees: the same engine's own forward (shim off), scheduled as the generator")
-        result["settled"] = _settle(args, result, outputs, model_dir, captured_dtype, ids, seqs_by_case, platform, versions)
-    from speculators_compat_testbed.provenance import machine
-
-    result["provenance"]["machine"] = machine()  # the GPU is known once the reference ran on it
-    return result
 
 
 _SCHEDULE_KEYS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",

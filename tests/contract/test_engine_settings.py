@@ -62,3 +62,22 @@ def test_a_bad_dtype_is_one_line(monkeypatch):
     with pytest.raises(SettingError, match="SPECULATORS_COMPAT_DTYPE='fp32': expected one of") as info:
         _config(monkeypatch, SPECULATORS_COMPAT_DTYPE="fp32")
     assert "\n" not in str(info.value)
+
+
+def test_additional_config_reaches_the_engine(monkeypatch):
+    """vLLM's ``--additional-config`` (e.g. ``gdn_prefill_backend``, read by the GDN layers of
+    Qwen3.5 / Qwen3-Next) reaches the hand-built VllmConfig; unset, it is vLLM's default."""
+    monkeypatch.delenv("SPECULATORS_COMPAT_ADDITIONAL_CONFIG", raising=False)
+    assert not _config(monkeypatch).additional_config
+    cfg = _config(monkeypatch, SPECULATORS_COMPAT_ADDITIONAL_CONFIG='{"gdn_prefill_backend": "triton"}')
+    assert cfg.additional_config == {"gdn_prefill_backend": "triton"}
+
+
+@pytest.mark.parametrize("raw, words", [("{gdn: triton}", "expected a JSON object ("),
+                                        ('["triton"]', "expected a JSON object; found list")])
+def test_a_bad_additional_config_is_one_line(monkeypatch, raw, words):
+    from speculators_compat.settings import SettingError
+
+    with pytest.raises(SettingError, match="SPECULATORS_COMPAT_ADDITIONAL_CONFIG=") as info:
+        _config(monkeypatch, SPECULATORS_COMPAT_ADDITIONAL_CONFIG=raw)
+    assert words in str(info.value) and "\n" not in str(info.value)

@@ -122,3 +122,21 @@ def test_another_layout_is_not_covered_never_an_error(tmp_path):
 def test_off_checks_nothing_and_says_so(tmp_path):
     _, summary = run_call(tmp_path, rows=0)
     assert summary["rows"] == 0 and summary["not_covered"] == ["off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0)"]
+
+
+def test_the_gather_reads_each_row_where_it_lies_in_every_chunk():
+    """``gather_rows`` (one index per chunk over its row-long windows) against one slice per row:
+    rows in two chunks, at aligned and odd offsets, the last row of a chunk, in mixed order."""
+    from speculators_compat.extraction.capture import gather_rows
+
+    row_bytes = 96
+    gen = torch.Generator().manual_seed(0)
+    chunks = {3: torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen),
+              7: torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=gen)}
+    located = [(7, 0), (3, 4096 - row_bytes), (3, 1), (7, 1000), (3, 64), (7, 2048 - row_bytes), (3, 1)]
+    got = gather_rows(chunks, located, row_bytes)
+    assert got.shape == (len(located), row_bytes)
+    for k, (chunk_id, off) in enumerate(located):
+        assert torch.equal(got[k], chunks[chunk_id][off:off + row_bytes]), (k, chunk_id, off)
+    one = gather_rows({3: chunks[3]}, [(3, 5), (3, 0)], row_bytes)  # one chunk: the rows in the order asked
+    assert torch.equal(one[0], chunks[3][5:5 + row_bytes]) and torch.equal(one[1], chunks[3][:row_bytes])

@@ -204,7 +204,8 @@ def test_report_patch_shows_a_patchs_facts_from_one_place(capsys):
     assert facts["probe"].endswith("_probe_init_executor")
     assert facts["settings"] == []  # its folder variable is the patch's own channel, not a setting
     assert main(["report", "--patch", "engine-options", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["settings"] == ["SPECULATORS_COMPAT_ATTENTION_BACKEND"]
+    assert json.loads(capsys.readouterr().out)["settings"] == ["SPECULATORS_COMPAT_ADDITIONAL_CONFIG",
+                                                               "SPECULATORS_COMPAT_ATTENTION_BACKEND"]
     assert main(["report", "--patch", "worker-start-cause-record", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["required_by"] == ["worker-start-cause-raise"]
 

@@ -112,23 +112,28 @@ def test_where_the_memory_cannot_hold_the_room_a_call_gets_what_it_needs(pool, m
         pool.allocate({"y": 4 * MIN_CHUNK})
 
 
-def test_idle_capacity_beyond_the_largest_demand_is_trimmed(pool):
+def test_idle_capacity_beyond_the_recent_demand_is_trimmed(pool):
     big = {"x": 3 * MIN_CHUNK}
     held = []
-    for _ in range(3):
+    for _ in range(3):  # e.g. a caller that collects every result, then saves them
         p, _, _ = pool.allocate(big)
         held.append(_views(pool, p, big))
     del held, p
     gc.collect()
     capacity = pool.capacity
     small = {"s": ALIGN}
-    ps, news, dropped = pool.allocate(small)
-    assert news == [] and dropped == [] and pool.capacity == capacity  # within the largest demand: kept
-    pool.release(ps)
-    pool.peak_call_bytes = pool.peak_demand = ALIGN  # as if only small calls had been seen
-    ps, news, dropped = pool.allocate(small)
-    assert len(dropped) == 1 and pool.capacity < capacity  # the idle chunk goes; the one in use stays
-    pool.release(ps)
+    for _ in range(exchange.WINDOW - 3):  # the large demand is among the last WINDOW calls: kept
+        ps, news, dropped = pool.allocate(small)
+        assert news == [] and dropped == [] and pool.capacity == capacity
+        pool.release(ps)
+    dropped_all = []
+    for _ in range(3):  # it leaves the window: the idle chunks go; the one in use stays
+        ps, news, dropped = pool.allocate(small)
+        assert news == []
+        dropped_all += dropped
+        pool.release(ps)
+    assert len(dropped_all) == 1 and pool.capacity == capacity - 6 * MIN_CHUNK == 6 * MIN_CHUNK
+    assert pool.peak_demand == ALIGN and pool.peak_call_bytes == ALIGN
 
 
 def test_a_run_without_contiguous_room_is_placed_key_by_key_in_the_holes(pool):

@@ -854,6 +854,7 @@ def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
         "worker-capture-rpc": ("worker-capture-hooks",),
         "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify", "executor-class"),
         "script-resumable-output": ("script-main-ready",),
+        "worker-spawn": ("executor-class",),
     }
     for pid, needed in declared.items():
         assert set(needed) <= set(patches), pid

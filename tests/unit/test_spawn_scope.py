@@ -1,27 +1,36 @@
-"""executor-class starts the generator's workers with spawn on accelerators for the construction
-only, and leaves a user's choice alone."""
+"""worker-spawn: while the generator is built on an accelerator the workers' context is spawn;
+vLLM's own answer otherwise (outside the construction, on a CPU, or where the user chose a
+method); the environment is never written."""
+
+import multiprocessing
+import os
 
 import pytest
 
 from speculators_compat.patches import engine_options, executor
 
 
-@pytest.mark.parametrize("cpu", [False, True])
-def test_spawn_is_set_for_the_construction_only(monkeypatch, cpu):
+def vllm_answer():  # vLLM's get_mp_context with no reason to spawn: the default method, fork
+    return multiprocessing.get_context(os.environ.get(executor.SPAWN_ENV, "fork"))
+
+
+@pytest.mark.parametrize("constructing, cpu, user, expected", [
+    (True, False, None, "spawn"),
+    (False, False, None, "fork"),  # not the generator's workers: vLLM's answer
+    (True, True, None, "fork"),  # a CPU: vLLM's own platform choice
+    (True, False, "fork", "fork"),  # the user's choice is kept
+    (True, False, "forkserver", "forkserver"),
+])
+def test_spawn_only_for_the_generators_workers_on_accelerators(monkeypatch, constructing, cpu, user, expected):
     monkeypatch.delenv(executor.SPAWN_ENV, raising=False)
+    if user:
+        monkeypatch.setenv(executor.SPAWN_ENV, user)
     monkeypatch.setattr(engine_options, "on_cpu", lambda: cpu)
-    undo = executor._spawn_workers_on_accelerators()
-    import os
-
-    assert os.environ.get(executor.SPAWN_ENV) == (None if cpu else "spawn")
-    undo()
-    assert executor.SPAWN_ENV not in os.environ
-
-
-def test_a_users_method_is_kept(monkeypatch):
-    import os
-
-    monkeypatch.setenv(executor.SPAWN_ENV, "fork")
-    monkeypatch.setattr(engine_options, "on_cpu", lambda: False)
-    executor._spawn_workers_on_accelerators()()
-    assert os.environ[executor.SPAWN_ENV] == "fork"
+    before = dict(os.environ)
+    token = executor.CONSTRUCTING.set(object() if constructing else None)
+    try:
+        context = executor._spawn_context(vllm_answer, None, (), {})
+    finally:
+        executor.CONSTRUCTING.reset(token)
+    assert context.get_start_method() == expected
+    assert dict(os.environ) == before

@@ -270,12 +270,22 @@ class CaptureState:
             return None
         try:
             self.in_check = True
-            check = self.row_check.report(self.buffers, self.slot, self.final_norm, self.final_slot, self.why_not)
+            check = self.row_check.report(self.exchange_rows, self.slot, self.final_norm, self.final_slot, self.why_not)
         finally:
             self.in_check = False
         result = {"written": self.written, "check": check}
         self.end()
         return result
+
+    def exchange_rows(self, wanted):
+        """The exchange's rows [(req_id, slot, row)], in order, as one (len, hidden) tensor."""
+        dtype, hidden, row_bytes = self.layout
+        located = []
+        for req_id, slot, row in wanted:
+            chunk_id, offset = self.places[req_id][slot]
+            located.append((chunk_id, offset + row * row_bytes))
+        chunks = {chunk_id: self.chunks[chunk_id][0] for chunk_id, _ in located}
+        return gather_rows(chunks, located, row_bytes).view(dtype).view(len(wanted), hidden)
 
     def abort(self):
         """Drop the call after a failure: no forward may write into its (released) memory."""
@@ -293,6 +303,28 @@ class CaptureState:
         self.pinned = False
         self.sample = None
         self.row_check = RowCheck(0)
+
+
+def gather_rows(chunks: dict, located: list, row_bytes: int):
+    """The ``row_bytes`` bytes at each (chunk id, byte offset), in order, as a (len, row_bytes)
+    uint8 tensor: per chunk one ``index_select`` over a view of every row-long window of its bytes
+    (a window per byte offset; nothing is copied but the rows), not one view per row."""
+    import torch
+
+    out = torch.empty(len(located), row_bytes, dtype=torch.uint8)
+    groups: dict = {}
+    for k, (chunk_id, offset) in enumerate(located):
+        members = groups.setdefault(chunk_id, ([], []))
+        members[0].append(k)
+        members[1].append(offset)
+    for chunk_id, (order, offsets) in groups.items():
+        data = chunks[chunk_id]
+        windows = data.as_strided((data.numel() - row_bytes + 1, row_bytes), (1, 1))
+        rows = windows.index_select(0, torch.tensor(offsets, dtype=torch.long))
+        if len(groups) == 1:
+            return rows
+        out.index_copy_(0, torch.tensor(order, dtype=torch.long), rows)
+    return out
 
 
 def _host_register(tensor) -> bool:

@@ -114,10 +114,11 @@ class RowCheck:
         self.samples.append(sample)
         return sample
 
-    def report(self, buffers, slots: dict, final_norm, final_slot, why_not: dict) -> dict:
+    def report(self, exchange_rows, slots: dict, final_norm, final_slot, why_not: dict) -> dict:
         """What the driver judges: the token seen per sampled (req_id, row), the rows that failed,
-        how many rows each kind saw, and why a kind saw none (``why_not``, by kind). Every
-        sample at once: one transfer per kind and one final-norm call (``cost_s``: the time each took)."""
+        how many rows each kind saw, and why a kind saw none (``why_not``, by kind). Every sample
+        at once: one transfer per kind, one gather of the exchange's rows (``exchange_rows``:
+        [(req_id, slot, row)] -> rows), one final-norm call; ``cost_s``: the time each took."""
         import time
 
         import torch
@@ -144,18 +145,24 @@ class RowCheck:
         cost["ids"] = clock() - mark
         mark = clock()
         pairs = [(s, slot) for s in self.samples for slot in s.layers]
-        gathered = {}
-        if pairs:  # every sample's computed layer rows: one transfer; the exchange's rows read here
-            exchange = [torch.stack([buffers[rid][slot][d] for rid, d in s.meta]) for s, slot in pairs]
-            # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
-            computed = torch.cat([s.layers[slot].to(ex.dtype) for (s, slot), ex in zip(pairs, exchange)]).cpu()
+        finals = [s for s in self.samples if s.final is not None] if final_norm is not None else []
+        # the exchange's rows of every (sample, slot) compared or normed below: one gather
+        keys = pairs + [(s, final_slot) for s in finals if final_slot not in s.layers]
+        read: dict = {}
+        if keys:
+            host_all = exchange_rows([(rid, slot, d) for s, slot in keys for rid, d in s.meta])
             k = 0
-            for (s, slot), host in zip(pairs, exchange):
+            for s, slot in keys:
+                read[(id(s), slot)], k = host_all[k:k + len(s.meta)], k + len(s.meta)
+        if pairs:  # every sample's computed layer rows: one transfer
+            # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
+            computed = torch.cat([s.layers[slot].to(read[(id(s), slot)].dtype) for s, slot in pairs]).cpu()
+            k = 0
+            for s, slot in pairs:
                 n = len(s.meta)
                 rows, k = computed[k:k + n], k + n
-                gathered[(id(s), slot)] = host
                 seen["copies"] += n
-                a, b = host.view(torch.uint8), rows.view(torch.uint8)
+                a, b = read[(id(s), slot)].view(torch.uint8), rows.view(torch.uint8)
                 wide = torch.int64 if a.shape[-1] % 8 == 0 else torch.uint8
                 if torch.equal(a.view(wide), b.view(wide)):  # bit for bit (the common case, one comparison)
                     continue
@@ -163,10 +170,8 @@ class RowCheck:
                 out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(s.meta, same) if not ok]
         cost["copies"] = clock() - mark
         mark = clock()
-        finals = [s for s in self.samples if s.final is not None]
-        if finals and final_norm is not None:  # the captured last layer, normed by the model: one call
-            host = torch.cat([gathered.get((id(s), final_slot)) if (id(s), final_slot) in gathered
-                              else torch.stack([buffers[rid][final_slot][d] for rid, d in s.meta]) for s in finals])
+        if finals:  # the captured last layer, normed by the model: one call
+            host = torch.cat([read[(id(s), final_slot)] for s in finals])
             ref = torch.cat([s.final for s in finals]).float()
             try:
                 with torch.no_grad():

@@ -2,8 +2,9 @@
 
 On CPU: the ``rotary_embedding`` custom op off (wrong for non-neox rope: DeepSeek, Kimi) and the
 attention block size kept at one the installed kernel runs; ``SPECULATORS_COMPAT_ATTENTION_BACKEND``
-selects attention; ``CacheConfig.sliding_window`` set as vLLM's engine derives it (all-sliding
-models would run full attention). ``cpu-rms-norm-native``: ``RMSNorm`` runs PyTorch on CPU where
+selects attention, ``SPECULATORS_COMPAT_ADDITIONAL_CONFIG`` gives ``additional_config``;
+``CacheConfig.sliding_window`` set as vLLM's engine derives it (all-sliding models would run full
+attention). ``cpu-rms-norm-native``: ``RMSNorm`` runs PyTorch on CPU where
 0.12-0.13's kernel reads strided input wrongly. Versions: compat_matrix.yaml.
 Details: docs/MODULES.md.
 """
@@ -14,6 +15,7 @@ import logging
 import sys
 
 from ..registry import NotNeeded, wrapper_patch
+from ..settings import SettingError
 from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
 
 logger = logging.getLogger("speculators_compat")
@@ -112,7 +114,32 @@ def _vllm_config_options(wrapped, instance, args, kwargs):
         from vllm.config import AttentionConfig
 
         kwargs["attention_config"] = AttentionConfig(backend=backend)
+    extra = additional_config()
+    if extra:
+        if not accepts(wrapped, "additional_config"):
+            raise SettingError("SPECULATORS_COMPAT_ADDITIONAL_CONFIG: this vLLM's VllmConfig takes no additional_config")
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), **extra}
     return wrapped(*args, **kwargs)
+
+
+def additional_config() -> dict:
+    """``SPECULATORS_COMPAT_ADDITIONAL_CONFIG`` as a dict ({} unset); anything but a JSON object is
+    one line."""
+    import json
+
+    from ..settings import text
+
+    raw = text("SPECULATORS_COMPAT_ADDITIONAL_CONFIG")
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={raw!r}: expected a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={raw!r}: expected a JSON object; "
+                           f"found {type(value).__name__}")
+    return value
 
 
 def _probe(current):

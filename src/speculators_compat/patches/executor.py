@@ -2,8 +2,8 @@
 
 ``executor-backend``: ``SPECULATORS_COMPAT_EXECUTOR=ray`` / ``..._PIPELINE_PARALLEL_SIZE=N`` reach
 ``ParallelConfig``. ``executor-class``: with Ray or pipeline stages, ``__init__`` builds vLLM's own
-executor choice (with per-stage KV-cache configs); on accelerators workers start with ``spawn``
-while it runs. Nothing changes unless asked; Ray is imported only when asked for.
+executor choice (with per-stage KV-cache configs). ``worker-spawn``: on accelerators the workers
+start with ``spawn`` while it runs. Nothing changes unless asked; Ray is imported only when asked for.
 Details: docs/MODULES.md.
 """
 
@@ -15,7 +15,7 @@ import sys
 import types
 
 from .. import settings
-from ..registry import wrapper_patch
+from ..registry import Call, wrapper_patch
 from ..extraction.steps import executor_takes_futures
 from ._signatures import GENERATOR, import_attr, parameters, require_params
 
@@ -205,30 +205,11 @@ def build_executor(vllm_config):
     return cls(vllm_config=vllm_config)
 
 
-SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
-
-
-def _spawn_workers_on_accelerators():
-    """While the generator is built, its workers start with ``spawn`` on accelerators (unless the
-    user chose a method): vLLM forks them unless it sees CUDA initialised, but a caller that only
-    asked ``torch.cuda.is_available()`` has touched the driver without that flag, and every forked
-    worker dies ("Cannot re-initialize CUDA in forked subprocess"; H200, vLLM 0.24). vLLM's own
-    engine starts its workers from a fresh process. Returns the undo (the variable as it was)."""
-    from .engine_options import on_cpu
-
-    if SPAWN_ENV in os.environ or on_cpu():
-        return lambda: None
-    os.environ[SPAWN_ENV] = "spawn"
-    return lambda: os.environ.pop(SPAWN_ENV, None)
-
-
 def _generator_init(wrapped, instance, args, kwargs):
     token = CONSTRUCTING.set(instance)
-    undo_spawn = _spawn_workers_on_accelerators()
     try:
         return _init(wrapped, instance, args, kwargs)
     finally:
-        undo_spawn()
         CONSTRUCTING.reset(token)
 
 
@@ -264,6 +245,44 @@ def _probe_generator_init(current):
     return None
 
 
+# -- worker-spawn: the workers' start method ---------------------------------------------------
+
+EXECUTOR = "vllm.v1.executor.multiproc_executor"
+SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def _spawn_context(wrapped, instance, args, kwargs):
+    """``get_mp_context()`` while the generator is built on an accelerator, with no method chosen
+    by the user: vLLM's own answer where it sees CUDA initialised, the spawn context. vLLM forks
+    otherwise, but a caller that only asked ``torch.cuda.is_available()`` has touched the driver,
+    and every forked worker dies ("Cannot re-initialize CUDA in forked subprocess"; H200, vLLM
+    0.24). Nothing is set in the environment."""
+    import multiprocessing
+
+    from .engine_options import on_cpu
+
+    context = wrapped(*args, **kwargs)  # vLLM's own checks and settings, as always
+    if CONSTRUCTING.get() is None or SPAWN_ENV in os.environ or on_cpu():
+        return context
+    return multiprocessing.get_context("spawn")
+
+
+def _probe_spawn_context(current):
+    params = parameters(current)
+    if params is None or params:
+        return f"expected {EXECUTOR}.get_mp_context(); found parameters {params and list(params)}"
+    names: set = set()
+    for starter in ("MultiprocExecutor._init_executor", "WorkerProc.make_worker_process"):
+        try:
+            code = getattr(import_attr(EXECUTOR, starter), "__code__", None)
+        except AttributeError:
+            continue
+        names |= set(getattr(code, "co_names", ()))
+    if "get_mp_context" not in names:
+        return "expected MultiprocExecutor to start its workers from get_mp_context(); it does not call it"
+    return None
+
+
 PATCHES = [
     wrapper_patch(
         "executor-backend",
@@ -281,5 +300,15 @@ PATCHES = [
         "VllmHiddenStatesGenerator.__init__",
         _generator_init,
         _probe_generator_init,
+    ),
+    wrapper_patch(
+        "worker-spawn",
+        "executor",
+        EXECUTOR,
+        "get_mp_context",
+        _spawn_context,
+        _probe_spawn_context,
+        calls=(Call(EXECUTOR, "get_mp_context"),),
+        requires=("executor-class",),  # it marks the construction (CONSTRUCTING)
     ),
 ]
