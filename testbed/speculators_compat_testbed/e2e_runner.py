@@ -642,6 +642,11 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         spec["engine_kwargs"].setdefault("distributed_executor_backend", "mp")  # see the env below
         if args.tensor_parallel_size != 1:
             spec["engine_kwargs"]["tensor_parallel_size"] = args.tensor_parallel_size
+    from speculators_compat.patches.engine_options import additional_config
+
+    extra = additional_config()  # the generator's engine got it (SPECULATORS_COMPAT_ADDITIONAL_CONFIG)
+    if extra:
+        spec["engine_kwargs"]["additional_config"] = {**spec["engine_kwargs"].get("additional_config", {}), **extra}
     if platform == "cuda":  # the same device budget and attention backend as the generator's engine
         spec["engine_kwargs"].setdefault("gpu_memory_utilization", args.gpu_memory_utilization or 0.15)
         backend = os.environ.get("SPECULATORS_COMPAT_ATTENTION_BACKEND")

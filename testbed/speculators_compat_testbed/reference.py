@@ -148,15 +148,26 @@ def load_hf_model(model_dir: str | Path, dtype: Any = "float32", device: str = "
     if model is None:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-        except ValueError:
+        except (ValueError, AttributeError) as exc:
             # multimodal wrappers (llava, Kimi-K2.5 on transformers 5, ...) are not causal-LM auto
-            # classes; text-only input ids run their text decoder, whose layers decoder_layers() finds
+            # classes, or (Qwen3.5-MoE on transformers 5.17) map to a text class that cannot take the
+            # wrapper's config; text-only input ids run their text decoder, whose layers decoder_layers() finds
+            if isinstance(exc, AttributeError) and not _is_wrapper(model_dir):
+                raise
             from transformers import AutoModelForImageTextToText
 
             model = AutoModelForImageTextToText.from_pretrained(str(model_dir), **kwargs)
     model.to(device)
     model.eval()
     return model
+
+
+def _is_wrapper(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's config.json nests a ``text_config`` (a multimodal wrapper)."""
+    import json
+
+    cfg_path = Path(model_dir) / "config.json"
+    return cfg_path.exists() and isinstance(json.loads(cfg_path.read_text()).get("text_config"), dict)
 
 
 def _wrapper_text_decoder(model_dir: str | Path, torch_dtype):
@@ -226,7 +237,9 @@ def _transformers_classes(model_type):
         model_name = getattr(modeling_auto, table, {}).get(model_type)
         if config_name and isinstance(model_name, str):
             config_cls, model_cls = getattr(transformers, config_name, None), getattr(transformers, model_name, None)
-            if config_cls is not None and model_cls is not None:
+            takes = getattr(model_cls, "config_class", None)
+            # a class of another config (Qwen3.5-MoE's causal LM takes the text config alone): the next table
+            if config_cls is not None and model_cls is not None and (takes is None or issubclass(config_cls, takes)):
                 return config_cls, model_cls
     return None
 

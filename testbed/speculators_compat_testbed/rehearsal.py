@@ -348,10 +348,13 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         if result.get("verdict"):  # timed out: already judged
             return result
         if not out_json.exists():
-            tail = (stderr or stdout or "").strip().splitlines()[-15:]
+            lines = (stderr or stdout or "").strip().splitlines()
+            starts = [k for k, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
             result.update(verdict="fail", failure={"where": "the rehearsal's engine process",
                                                    "message": f"exited {proc.returncode} without a result",
-                                                   "tail": tail})
+                                                   "tail": lines[-15:],
+                                                   # the last traceback whole (its call site), up to 120 lines
+                                                   "traceback": lines[starts[-1]:][-120:] if starts else []})
         else:
             cell = json.loads(out_json.read_text())
             result.update(_judge(cell))
