@@ -56,10 +56,13 @@ def _worker_rss_mb() -> list[float]:
 
 
 def _pool_stats(gen) -> dict | None:
+    from speculators_compat.exchange import WINDOW
+
     pool = getattr(gen, "_speculators_compat_pool", None)
     if pool is None:
         return None
-    return {"capacity_bytes": pool.capacity, "peak_call_bytes": pool.peak_call_bytes, **pool.stats}
+    return {"capacity_bytes": pool.capacity, "recent_peak_call_bytes": pool.peak_call_bytes,
+            "recent_peak_demand_bytes": pool.peak_demand, "window_calls": WINDOW, **pool.stats}
 
 
 def _vllm_extract(xllm, prompts, sp) -> list[dict]:

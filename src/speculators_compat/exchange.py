@@ -4,7 +4,7 @@ Workers write captured rows straight into shared memory the caller maps; the cal
 tensors are that memory. Chunks are created, mapped and (on GPUs) page-locked once and reused: a
 segment returns to the pool when the caller drops its last tensor of it; capacity grows to what
 the caller keeps alive (results being saved) plus one call, the largest of the last ``WINDOW``
-calls; idle chunks beyond it are dropped.
+calls; beyond it, chunks idle for the whole window are dropped.
 Details: docs/MODULES.md.
 """
 
@@ -21,7 +21,7 @@ import weakref
 ALIGN = 4096  # segment alignment (bytes): page-aligned rows for the copies
 GRAIN = 64  # keys inside a run (allocate_runs): back to back where their sizes are multiples of it
 MIN_CHUNK = 64 << 20  # smallest new chunk (bytes)
-WINDOW = 32  # calls whose demand the pool keeps room for (a caller that held many once lets it go)
+WINDOW = 256  # calls whose demand the pool keeps room for; a chunk idle this long beyond it goes
 
 
 class ExchangeError(RuntimeError):
@@ -98,6 +98,7 @@ class Chunk:
         self.view = memoryview(self.map)
         self.free = [(0, size)]  # sorted, coalesced (offset, length)
         self.leased = 0
+        self.last_busy = 0  # the pool's call count when this chunk last held a lease
 
     def ref(self):
         from .extraction.protocol import ChunkRef
@@ -198,6 +199,7 @@ class ExchangePool:
         chunk_id = self._next_id
         self._next_id += 1
         chunk = Chunk(chunk_id, self.directory, size)
+        chunk.last_busy = self.stats["calls"]
         self.chunks[chunk_id] = chunk
         self.stats["chunks_created"] += 1
         self.stats["bytes_created"] += size
@@ -268,13 +270,19 @@ class ExchangePool:
                 if off is None:  # the chunk was sized for these runs
                     raise ExchangeError(f"a new {chunk.size}-byte chunk could not hold {padded} bytes")
                 place(parts, chunk, off)
+        calls = self.stats["calls"]
+        for chunk in self.chunks.values():
+            if not chunk.idle:
+                chunk.last_busy = calls
         dropped = []
         keep = self._target()
         capacity = self.capacity
         for chunk in sorted(self.chunks.values(), key=lambda c: c.size, reverse=True):
             if capacity <= keep:
                 break
-            if chunk.idle and chunk.id not in used:
+            # only a chunk idle for the whole window: a caller that saves every N < WINDOW calls
+            # keeps its room instead of making it again each time
+            if chunk.idle and chunk.id not in used and calls - chunk.last_busy >= WINDOW:
                 del self.chunks[chunk.id]
                 chunk.close()
                 capacity -= chunk.size

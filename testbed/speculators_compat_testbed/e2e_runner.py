@@ -614,6 +614,15 @@ def _control_report(captured, reference, seqs, l4s, dtype) -> dict:
     }
 
 
+def _has_vision_tower(model_dir) -> bool:
+    """True where the model's config.json has a vision config (a multimodal wrapper)."""
+    try:
+        with open(os.path.join(str(model_dir), "config.json")) as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
 def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, platform, versions, schedule=None) -> dict:
     """Run testing.vllm_reference in a subprocess with the shim disabled; its result dict."""
     import subprocess
@@ -642,6 +651,11 @@ def _vllm_reference(args, model_dir, dtype, layer_ids, seqs_by_case, variants, p
         spec["engine_kwargs"].setdefault("distributed_executor_backend", "mp")  # see the env below
         if args.tensor_parallel_size != 1:
             spec["engine_kwargs"]["tensor_parallel_size"] = args.tensor_parallel_size
+    if _has_vision_tower(model_dir):  # text-only prompts: no dummy image in vLLM's start-up profile
+        from vllm.engine.arg_utils import EngineArgs
+
+        if "limit_mm_per_prompt" in getattr(EngineArgs, "__dataclass_fields__", {}):
+            spec["engine_kwargs"].setdefault("limit_mm_per_prompt", {"image": 0, "video": 0})
     from speculators_compat.patches.engine_options import additional_config
 
     extra = additional_config()  # the generator's engine got it (SPECULATORS_COMPAT_ADDITIONAL_CONFIG)

@@ -136,6 +136,25 @@ def test_idle_capacity_beyond_the_recent_demand_is_trimmed(pool):
     assert pool.peak_demand == ALIGN and pool.peak_call_bytes == ALIGN
 
 
+def test_a_caller_that_saves_every_n_calls_keeps_its_room(pool, monkeypatch):
+    """A caller that holds its results for 40 calls, then saves and drops them all (N < WINDOW):
+    the room made in the first round serves every later round; nothing is made again."""
+    monkeypatch.setattr(exchange, "MIN_CHUNK", 4 * ALIGN)  # small chunks: the rounds span many
+    call = {"x": 4 * ALIGN}
+    held: list = []
+    created = []
+    for k in range(400):
+        p, _, _ = pool.allocate(call)
+        held.append(_views(pool, p, call))
+        if k % 40 == 39:  # the save: every held result dropped
+            held.clear()
+            gc.collect()
+            created.append(pool.stats["chunks_created"])
+    assert pool.stats["chunks_dropped"] == 0 and len(set(created)) == 1, created
+    del held, p
+    gc.collect()
+
+
 def test_a_run_without_contiguous_room_is_placed_key_by_key_in_the_holes(pool):
     quarter = {k: MIN_CHUNK // 4 for k in "abcdefgh"}
     p, new, _ = pool.allocate(quarter)

@@ -307,24 +307,28 @@ class CaptureState:
 
 def gather_rows(chunks: dict, located: list, row_bytes: int):
     """The ``row_bytes`` bytes at each (chunk id, byte offset), in order, as a (len, row_bytes)
-    uint8 tensor: per chunk one ``index_select`` over a view of every row-long window of its bytes
-    (a window per byte offset; nothing is copied but the rows), not one view per row."""
+    uint8 tensor: per chunk one fancy index over a view of every row-long window of its bytes (a
+    window per byte offset; nothing is copied but the rows), not one view per row."""
+    import numpy as np
     import torch
 
-    out = torch.empty(len(located), row_bytes, dtype=torch.uint8)
     groups: dict = {}
     for k, (chunk_id, offset) in enumerate(located):
         members = groups.setdefault(chunk_id, ([], []))
         members[0].append(k)
         members[1].append(offset)
+    out = None
     for chunk_id, (order, offsets) in groups.items():
-        data = chunks[chunk_id]
-        windows = data.as_strided((data.numel() - row_bytes + 1, row_bytes), (1, 1))
-        rows = windows.index_select(0, torch.tensor(offsets, dtype=torch.long))
+        data = chunks[chunk_id].numpy()
+        windows = np.lib.stride_tricks.as_strided(data, (data.size - row_bytes + 1, row_bytes), (1, 1),
+                                                  writeable=False)
+        rows = windows[np.asarray(offsets, dtype=np.intp)]
         if len(groups) == 1:
-            return rows
-        out.index_copy_(0, torch.tensor(order, dtype=torch.long), rows)
-    return out
+            return torch.from_numpy(rows)
+        if out is None:
+            out = np.empty((len(located), row_bytes), dtype=np.uint8)
+        out[np.asarray(order, dtype=np.intp)] = rows
+    return torch.from_numpy(out if out is not None else np.empty((0, row_bytes), dtype=np.uint8))
 
 
 def _host_register(tensor) -> bool:

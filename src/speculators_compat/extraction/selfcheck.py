@@ -117,77 +117,86 @@ class RowCheck:
     def report(self, exchange_rows, slots: dict, final_norm, final_slot, why_not: dict) -> dict:
         """What the driver judges: the token seen per sampled (req_id, row), the rows that failed,
         how many rows each kind saw, and why a kind saw none (``why_not``, by kind). Every sample
-        at once: one transfer per kind, one gather of the exchange's rows (``exchange_rows``:
-        [(req_id, slot, row)] -> rows), one final-norm call; ``cost_s``: the time each took."""
+        at once, on the samples' device: one gather of the exchange's rows (``exchange_rows``:
+        [(req_id, slot, row)] -> rows) sent there, the comparisons and one final-norm call there,
+        one transfer back; ``cost_s``: the time each part took."""
         import time
 
         import torch
 
-        clock, cost = time.perf_counter, {"ids": 0.0, "copies": 0.0, "final": 0.0}
+        clock, cost = time.perf_counter, {"gather": 0.0, "device": 0.0, "transfer": 0.0}
         out: dict[str, Any] = {"cost_s": cost, "rows": sum(len(s.meta) for s in self.samples), "off": not self.rows,
                                "tokens": [], "positions_bad": [], "copies_bad": [], "final_max_rel_error": 0.0,
                                "final_bad": [], "seen": dict.fromkeys(KINDS, 0), "why_not": dict(why_not)}
         seen = out["seen"]
         layer_of = {slot: lid for lid, slot in slots.items()}
-        mark = clock()
         small = [(s, kind, t) for s in self.samples for kind, t in (("tokens", s.ids), ("positions", s.pos))
                  if t is not None]
-        if small:  # token ids and positions of every sample: one transfer
-            host_small = torch.cat([t.reshape(-1).long() for _, _, t in small]).cpu().tolist()
-            k = 0
-            for s, kind, t in small:
-                values, k = host_small[k:k + t.numel()], k + t.numel()
-                seen[kind] += len(s.meta)
-                if kind == "tokens":
-                    out["tokens"] += [(rid, d, v) for (rid, d), v in zip(s.meta, values)]
-                else:
-                    out["positions_bad"] += [(rid, d, v) for (rid, d), v in zip(s.meta, values) if v != d]
-        cost["ids"] = clock() - mark
-        mark = clock()
         pairs = [(s, slot) for s in self.samples for slot in s.layers]
         finals = [s for s in self.samples if s.final is not None] if final_norm is not None else []
+        mark = clock()
         # the exchange's rows of every (sample, slot) compared or normed below: one gather
         keys = pairs + [(s, final_slot) for s in finals if final_slot not in s.layers]
-        read: dict = {}
+        at: dict = {}
+        host_rows = torch.empty(0, dtype=torch.uint8)
         if keys:
-            host_all = exchange_rows([(rid, slot, d) for s, slot in keys for rid, d in s.meta])
+            host_rows = exchange_rows([(rid, slot, d) for s, slot in keys for rid, d in s.meta])
             k = 0
             for s, slot in keys:
-                read[(id(s), slot)], k = host_all[k:k + len(s.meta)], k + len(s.meta)
-        if pairs:  # every sample's computed layer rows: one transfer
-            # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
-            computed = torch.cat([s.layers[slot].to(read[(id(s), slot)].dtype) for s, slot in pairs]).cpu()
-            k = 0
-            for s, slot in pairs:
-                n = len(s.meta)
-                rows, k = computed[k:k + n], k + n
-                seen["copies"] += n
-                a, b = read[(id(s), slot)].view(torch.uint8), rows.view(torch.uint8)
-                wide = torch.int64 if a.shape[-1] % 8 == 0 else torch.uint8
-                if torch.equal(a.view(wide), b.view(wide)):  # bit for bit (the common case, one comparison)
-                    continue
-                same = (a == b).all(dim=1).tolist()
-                out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(s.meta, same) if not ok]
-        cost["copies"] = clock() - mark
+                at[(id(s), slot)], k = k, k + len(s.meta)
+        cost["gather"] = clock() - mark
         mark = clock()
+        tensors = [t for _, _, t in small] + [s.layers[slot] for s, slot in pairs] + [s.final for s in finals]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        packed = []  # float64 parts of the one transfer back (token ids and positions are exact in it)
+        if small:
+            packed.append(torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in small]))
+        rows = host_rows.to(device) if keys else host_rows
+        if pairs:  # the layers' rows as computed vs the exchange's, bit for bit
+            # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
+            computed = torch.cat([s.layers[slot].to(rows.dtype) for s, slot in pairs])
+            n = computed.shape[0]
+            same = (computed.view(torch.uint8).view(n, -1) == rows[:n].view(torch.uint8).view(n, -1)).all(dim=1)
+            packed.append(same.to(torch.float64))
+        normed_ok = False
         if finals:  # the captured last layer, normed by the model: one call
-            host = torch.cat([read[(id(s), final_slot)] for s in finals])
+            index = torch.tensor([at[(id(s), final_slot)] + j for s in finals for j in range(len(s.meta))],
+                                 dtype=torch.long).to(device)
             ref = torch.cat([s.final for s in finals]).float()
             try:
                 with torch.no_grad():
-                    normed = final_norm(host.to(ref.device))
+                    normed = final_norm(rows.index_select(0, index).to(ref.device))
                 normed = normed[0] if isinstance(normed, tuple) else normed
             except Exception as exc:  # noqa: BLE001 - the norm outside its forward: not covered, never a failure
                 out["why_not"]["final"] = f"the final norm cannot be re-run: {type(exc).__name__}: {exc}"[:200]
             else:
-                rel = ((normed.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).cpu().tolist()
-                limit = tolerance(finals[0].final.dtype)
-                meta = [m for s in finals for m in s.meta]
-                seen["final"] += len(meta)
-                out["final_max_rel_error"] = max([0.0, *(e for e in rel if e == e)])
-                out["final_limit"] = limit
-                out["final_bad"] = [(rid, d, e) for (rid, d), e in zip(meta, rel) if not e <= limit]
-        cost["final"] = clock() - mark
+                rel = (normed.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
+                packed.append(rel.to(device=device, dtype=torch.float64))
+                normed_ok = True
+        cost["device"] = clock() - mark
+        mark = clock()
+        values = torch.cat(packed).cpu().tolist() if packed else []
+        cost["transfer"] = clock() - mark
+        k = 0
+        for s, kind, t in small:
+            part, k = values[k:k + t.numel()], k + t.numel()
+            seen[kind] += len(s.meta)
+            if kind == "tokens":
+                out["tokens"] += [(rid, d, int(v)) for (rid, d), v in zip(s.meta, part)]
+            else:
+                out["positions_bad"] += [(rid, d, int(v)) for (rid, d), v in zip(s.meta, part) if v != d]
+        for s, slot in pairs:
+            part, k = values[k:k + len(s.meta)], k + len(s.meta)
+            seen["copies"] += len(s.meta)
+            out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(s.meta, part) if ok != 1.0]
+        if normed_ok:
+            rel = values[k:]
+            limit = tolerance(finals[0].final.dtype)
+            meta = [m for s in finals for m in s.meta]
+            seen["final"] += len(meta)
+            out["final_max_rel_error"] = max([0.0, *(e for e in rel if e == e)])
+            out["final_limit"] = limit
+            out["final_bad"] = [(rid, d, e) for (rid, d), e in zip(meta, rel) if not e <= limit]
         return out
 
 

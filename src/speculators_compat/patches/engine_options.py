@@ -132,12 +132,14 @@ def additional_config() -> dict:
     raw = text("SPECULATORS_COMPAT_ADDITIONAL_CONFIG")
     if raw is None:
         return {}
+    shown = repr(raw if len(raw) <= 80 else raw[:77] + "...")
     try:
         value = json.loads(raw)
     except ValueError as exc:
-        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={raw!r}: expected a JSON object ({exc})") from None
+        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={shown}: expected a JSON object; found invalid "
+                           f"JSON ({str(exc).splitlines()[0][:80]})") from None
     if not isinstance(value, dict):
-        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={raw!r}: expected a JSON object; "
+        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={shown}: expected a JSON object; "
                            f"found {type(value).__name__}")
     return value
 

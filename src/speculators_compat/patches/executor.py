@@ -269,17 +269,22 @@ def _spawn_context(wrapped, instance, args, kwargs):
 
 def _probe_spawn_context(current):
     params = parameters(current)
-    if params is None or params:
-        return f"expected {EXECUTOR}.get_mp_context(); found parameters {params and list(params)}"
-    names: set = set()
+    if params is None:
+        return f"expected {EXECUTOR}.get_mp_context(); found {current!r}, whose signature cannot be read"
+    if params:
+        return f"expected {EXECUTOR}.get_mp_context(); found parameters {list(params)}"
+    starters = []
     for starter in ("MultiprocExecutor._init_executor", "WorkerProc.make_worker_process"):
         try:
-            code = getattr(import_attr(EXECUTOR, starter), "__code__", None)
+            starters.append(import_attr(EXECUTOR, starter))
         except AttributeError:
             continue
-        names |= set(getattr(code, "co_names", ()))
-    if "get_mp_context" not in names:
-        return "expected MultiprocExecutor to start its workers from get_mp_context(); it does not call it"
+    scope = getattr(sys.modules.get(EXECUTOR), "__dict__", None)
+    # the starter must look the name up in this module's globals: that is the name the patch replaces
+    if not any("get_mp_context" in getattr(getattr(f, "__code__", None), "co_names", ())
+               and getattr(f, "__globals__", None) is scope is not None for f in starters):
+        return ("expected MultiprocExecutor to start its workers from its module's get_mp_context(); "
+                "it does not call it")
     return None
 
 
