@@ -13,7 +13,7 @@
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
 # JOB_SHAPE / JOB_ARGS / JOB_TAG: the job step's model shape, extra arguments (e.g. --fp8-side: the script with FP8
 # storage as a third side) and result-name suffix.
-# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "capture32" (the same at the 8B-like 32-layer shape, 4 layers vs 1, batch 64 and 128), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -222,6 +222,14 @@ if [[ " $STEPS " == *" capture "* ]]; then
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/throughput.py --hidden 4096 --layers 8 \
     --batch ${CAPTURE_BATCH:-32} --prompt-len ${CAPTURE_LENS:-512 1024 2048} --reps ${CAPTURE_REPS:-7} --max-model-len 4096 --no-native --capture-control --gpu-util 0.3 --out "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.json" \
     > "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.log" 2>&1; echo "capture bench rc=$?"
+fi
+if [[ " $STEPS " == *" capture32 "* ]]; then
+  echo "== capture cost at the 8B-like shape (hidden 4096 x 32 layers): 4 layers [2,16,29,31] vs the 1-layer control [31], shim only, per batch"
+  for b in ${CAPTURE_BATCHES:-64 128}; do
+    SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/throughput.py --hidden 4096 --layers 32 \
+      --capture 2,16,29,31 --batch $b --prompt-len ${CAPTURE_LENS:-128 256 512 1024} --reps ${CAPTURE_REPS:-15} --max-model-len 2048 --no-native --capture-control --gpu-util 0.3 \
+      --out "$OUT/throughput_h200_capture32_b$b.json" > "$OUT/throughput_h200_capture32_b$b.log" 2>&1; echo "capture32 b$b rc=$?"
+  done
 fi
 if [[ " $STEPS " == *" noasync "* ]]; then
   echo "== throughput vs native without async scheduling (as the generator's engine runs)"

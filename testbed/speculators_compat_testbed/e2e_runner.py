@@ -473,7 +473,6 @@ def _compare_references(args, result: dict, outputs: dict, seqs_by_case, ids, ca
 def _case_verdicts(result: dict, outputs: dict, batches: dict, seqs_by_case, ids, captured_dtype, primary: str) -> None:
     """Each case's verdict (shapes, tokens, the primary reference's errors), the repeat call's
     bit-identity, and ``result["passed"]``."""
-    import torch
 
     for name, seqs in seqs_by_case.items():
         out = outputs[name]
@@ -507,13 +506,24 @@ def _case_verdicts(result: dict, outputs: dict, batches: dict, seqs_by_case, ids
     result["cases"]["repeat"] = {
         "identical": len(outputs["mixed"]) == len(outputs["repeat"]) and all(
             len(x["hidden_states"]) == len(y["hidden_states"])
-            and all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
+            and all(a.shape == b.shape and bool(same_bits(a.cpu(), b.cpu()).all())
+                    for a, b in zip(x["hidden_states"], y["hidden_states"]))
             for x, y in zip(outputs["mixed"], outputs["repeat"])
         )
     }
     result["passed"] = all(result["cases"][n]["passed"] for n in ("mixed", "chunked", "truncated")) and result["cases"][
         "repeat"
     ]["identical"]
+
+
+def same_bits(a, b):
+    """Per row of two same-shape, same-dtype tensors: whether every bit is equal (NaN == NaN)."""
+    import torch
+
+    if a.numel() == 0:
+        return torch.ones(a.shape[0], dtype=torch.bool)
+    n = a.shape[0]
+    return (a.contiguous().view(torch.uint8).view(n, -1) == b.contiguous().view(torch.uint8).view(n, -1)).all(dim=-1)
 
 
 _SCHEDULE_KEYS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
@@ -526,6 +536,8 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
     "generator") and with its custom-op choice (on CPU engine-options turns vLLM's rotary op off).
     ``settled``: every row of every case bit-identical and the repeat call identical: what the
     reference disagrees with is the engine's own computation, not the capture."""
+    import torch
+
     schedule = dict(result.get("scheduler") or {})
     engine = result.get("engine") or {}
     if isinstance(engine.get("block_size"), int):  # the KV layout chunked prefill reads back
@@ -542,6 +554,7 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
         ref = got["variants"]["own"][name]
         first = None  # the first row (in sequence, layer, row order) that differs
         by_layer: dict = {}  # layer -> [rows bit-identical, rows]
+        non_finite = 0  # the generator's rows holding a NaN or inf (bit-identical ones: the engine made them)
         for s_i, (out, want) in enumerate(zip(outputs[name], ref)):
             for l_i, (a, b) in enumerate(zip(out["hidden_states"], want)):
                 counts = by_layer.setdefault(layer_ids[l_i], [0, 0])
@@ -551,7 +564,8 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
                                       "error": f"shape {tuple(a.shape)} vs {tuple(b.shape)}"}
                     continue
                 a, b = a.cpu(), b.to(a.dtype).cpu()
-                eq = (a == b).all(dim=-1)
+                eq = same_bits(a, b)  # bits, not values: a NaN the engine computed itself is identical too
+                non_finite += int((~torch.isfinite(a.float())).any(dim=-1).sum()) if a.numel() else 0
                 counts[0] += int(eq.sum())
                 counts[1] += int(eq.numel())
                 if first is None and not bool(eq.all()):
@@ -559,7 +573,7 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
                     err = float((a[r].float() - b[r].float()).norm() / b[r].float().norm().clamp_min(1e-30))
                     first = {"sequence": s_i, "layer": layer_ids[l_i], "row": r, "error": err}
         cases[name] = {"rows": sum(c[1] for c in by_layer.values()), "identical": sum(c[0] for c in by_layer.values()),
-                       "identical_per_layer": by_layer, "first_differing": first,
+                       "identical_per_layer": by_layer, "first_differing": first, "non_finite_rows": non_finite,
                        "sequences": len(outputs[name]) == len(ref)}
     ok = all(c["rows"] and c["rows"] == c["identical"] and c["sequences"] for c in cases.values())
     return {"settled": ok and bool(result["cases"]["repeat"]["identical"]), "cases": cases,

@@ -75,7 +75,9 @@ def test_additional_config_reaches_the_engine(monkeypatch):
 
 @pytest.mark.parametrize("raw, words", [("{gdn: triton}", "expected a JSON object; found invalid JSON ("),
                                         ('["triton"]', "expected a JSON object; found list"),
-                                        ("{" + "x" * 500, "...'")])  # a long value is shortened
+                                        ("{" + "x" * 500, "...'"),  # a long value is shortened
+                                        ("\x01" * 300, "...'"),  # escapes count toward the bound
+                                        ("[" * 100000, "nested too deeply to read")])
 def test_a_bad_additional_config_is_one_line(monkeypatch, raw, words):
     from speculators_compat.settings import SettingError
 

@@ -42,7 +42,7 @@ class Norm(torch.nn.Module):
 
 
 def run_call(tmp_path, dtype=torch.bfloat16, fp32_residual=False, adapter=FUSED_RESIDUAL, positions_layout=None,
-             corrupt=None, misplace=False, rows=16):
+             corrupt=None, misplace=False, rows=16, nan_at=None):
     pool = ExchangePool(str(tmp_path))
     itemsize = torch.empty((), dtype=dtype).element_size()
     row_bytes = HIDDEN * itemsize
@@ -72,6 +72,8 @@ def run_call(tmp_path, dtype=torch.bfloat16, fp32_residual=False, adapter=FUSED_
         n = len(ids)
         for lid in LAYERS:
             hidden = torch.randn(n, HIDDEN).to(dtype) * 3
+            if nan_at is not None and lid == 3 and step is STEPS[0][0]:
+                hidden[nan_at] = float("nan")  # the model itself computes a NaN row: its final norm output too
             residual = torch.randn(n, HIDDEN).to(torch.float32 if fp32_residual else dtype)
             state.on_layer_output(lid, adapter, None, (hidden, residual))
             if lid == 3:
@@ -102,6 +104,12 @@ def test_a_corrupted_exchange_row_fails(tmp_path):
 def test_rows_read_in_another_batch_order_fail(tmp_path):
     with pytest.raises(SelfCheckFailed, match="another sequence's token"):
         run_call(tmp_path, misplace=True)
+
+
+def test_a_nan_the_engine_computed_fails_naming_the_engine(tmp_path):
+    with pytest.raises(SelfCheckFailed, match=r"1 row\(s\) where the model's own final-norm output is non-finite "
+                                              r"\(NaN/inf computed by the engine.*row 0 of r0"):
+        run_call(tmp_path, nan_at=0)
 
 
 def test_a_stream_that_is_not_the_residual_stream_fails_at_the_final_norm(tmp_path):

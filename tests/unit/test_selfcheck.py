@@ -48,6 +48,10 @@ def test_a_kind_no_rank_saw_is_not_covered_with_the_ranks_reasons():
     ({"copies_bad": [("b", 2, 3)]}, "row 2 of b, layer 3"),
     ({"final_bad": [("a", 1, 1.38)]}, "row 1 of a, relative error 1.38 (limit 0.0625)"),
     ({"final_bad": [("a", 1, float("nan"))]}, "row 1 of a, a non-finite row"),
+    ({"final_bad": [("a", 1, float("nan"), True, False)]}, "row 1 of a, a non-finite row"),
+    ({"final_bad": [("b", 2, float("nan"), False, False)]},
+     "model's own final-norm output is non-finite (NaN/inf computed by the engine, not misplaced by the capture): "
+     "row 2 of b"),
 ])
 def test_each_wrong_answer_fails_naming_its_row(over, words):
     with pytest.raises(SelfCheckFailed) as e:

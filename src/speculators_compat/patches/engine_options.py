@@ -132,12 +132,16 @@ def additional_config() -> dict:
     raw = text("SPECULATORS_COMPAT_ADDITIONAL_CONFIG")
     if raw is None:
         return {}
-    shown = repr(raw if len(raw) <= 80 else raw[:77] + "...")
+    shown = repr(raw)
+    shown = shown if len(shown) <= 80 else shown[:76] + "..." + shown[0]
     try:
         value = json.loads(raw)
     except ValueError as exc:
         raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={shown}: expected a JSON object; found invalid "
                            f"JSON ({str(exc).splitlines()[0][:80]})") from None
+    except RecursionError:
+        raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={shown}: expected a JSON object; found one "
+                           "nested too deeply to read") from None
     if not isinstance(value, dict):
         raise SettingError(f"SPECULATORS_COMPAT_ADDITIONAL_CONFIG={shown}: expected a JSON object; "
                            f"found {type(value).__name__}")
