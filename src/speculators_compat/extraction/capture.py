@@ -134,14 +134,6 @@ class CaptureState:
     def on_final_norm(self, output):
         if self.in_step() and self.sample is not None:
             self.sample.final = self.sample.rows(output[0] if isinstance(output, tuple) else output)
-            self.seal(self.sample)  # its work launched now, while the device still runs the forward
-
-    def seal(self, sample):
-        try:
-            self.in_check = True  # the final norm re-run by the check is not a step's forward
-            self.row_check.seal(sample, self.layout[0], self.final_norm, self.final_slot)
-        finally:
-            self.in_check = False
 
     def on_layer_output(self, layer_id, adapter, module, output):
         if layer_id not in self.checked:
@@ -269,9 +261,6 @@ class CaptureState:
         the self-check's report} (None: this rank does not capture)."""
         import torch
 
-        if self.capture:
-            for sample in self.row_check.samples:  # those no final norm sealed: launched before the wait
-                self.seal(sample)
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         elif torch.cuda.is_available():
@@ -279,20 +268,24 @@ class CaptureState:
         if not self.capture:
             self.end()
             return None
-        check = self.row_check.report(self.exchange_rows, self.slot, self.why_not)
+        try:
+            self.in_check = True
+            check = self.row_check.report(self.exchange_rows, self.slot, self.final_norm, self.final_slot, self.why_not)
+        finally:
+            self.in_check = False
         result = {"written": self.written, "check": check}
         self.end()
         return result
 
     def exchange_rows(self, wanted):
-        """The exchange's rows [(req_id, slot, row)], in order, as one (len, row bytes) uint8 array."""
-        row_bytes = self.layout[2]
+        """The exchange's rows [(req_id, slot, row)], in order, as one (len, hidden) tensor."""
+        dtype, hidden, row_bytes = self.layout
         located = []
         for req_id, slot, row in wanted:
             chunk_id, offset = self.places[req_id][slot]
             located.append((chunk_id, offset + row * row_bytes))
         chunks = {chunk_id: self.chunks[chunk_id][0] for chunk_id, _ in located}
-        return gather_rows(chunks, located, row_bytes).numpy()
+        return gather_rows(chunks, located, row_bytes).view(dtype).view(len(wanted), hidden)
 
     def abort(self):
         """Drop the call after a failure: no forward may write into its (released) memory."""
@@ -315,8 +308,7 @@ class CaptureState:
 def gather_rows(chunks: dict, located: list, row_bytes: int):
     """The ``row_bytes`` bytes at each (chunk id, byte offset), in order, as a (len, row_bytes)
     uint8 tensor: per chunk one fancy index over a view of every row-long window of its bytes (a
-    window per 8-, 4-, 2- or 1-byte word, the widest the offsets allow: copied a word at a time;
-    nothing is copied but the rows), not one view per row."""
+    window per byte offset; nothing is copied but the rows), not one view per row."""
     import numpy as np
     import torch
 
@@ -328,14 +320,9 @@ def gather_rows(chunks: dict, located: list, row_bytes: int):
     out = None
     for chunk_id, (order, offsets) in groups.items():
         data = chunks[chunk_id].numpy()
-        at = np.asarray(offsets, dtype=np.intp)
-        word = 8  # the widest element every offset, the row and the chunk are a multiple of: copied a word at a time
-        while word > 1 and (row_bytes % word or data.size % word or data.ctypes.data % word or (at % word).any()):
-            word //= 2
-        wide = data.view(f"u{word}") if word > 1 else data
-        windows = np.lib.stride_tricks.as_strided(wide, (wide.size - row_bytes // word + 1, row_bytes // word),
-                                                  (word, word), writeable=False)
-        rows = windows[at // word].view(np.uint8)
+        windows = np.lib.stride_tricks.as_strided(data, (data.size - row_bytes + 1, row_bytes), (1, 1),
+                                                  writeable=False)
+        rows = windows[np.asarray(offsets, dtype=np.intp)]
         if len(groups) == 1:
             return torch.from_numpy(rows)
         if out is None:

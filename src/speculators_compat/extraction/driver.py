@@ -134,7 +134,7 @@ def _generate(self, token_ids):
         finished = [r for r in rpc(self.executor, protocol.FINISH) if r]
         counts = _merge_counts([r["written"] for r in finished])
         timings["finish"] = time.perf_counter() - mark
-        for part in ("seal", "wait", "gather", "compare"):  # the self-check's host time (slowest rank); seal: mostly in the forward
+        for part in ("gather", "device", "transfer"):  # the self-check's share of finish (slowest rank)
             timings[f"check_{part}"] = max((r["check"].get("cost_s", {}).get(part, 0.0) for r in finished
                                             if r.get("check")), default=0.0)
         log.debug(f"Extraction took {iterations} scheduler iterations in {timings['steps']:.3f}s")

@@ -1,12 +1,11 @@
 """Every call checks a sample of its rows against what the engine itself computed there.
 
-Per sampled step the worker takes, on the device, for the first and last row of a few sequences:
+Per sampled step the worker keeps, on the device, for the first and last row of a few sequences:
 the token ids the engine embedded and the positions it gave the layers (the driver compares them
 with the sequence and row it placed the row at), each captured layer's row as computed (the rows
 in the exchange must be bit-identical after ``finish``), and the model's final-norm output (the
-captured last layer, normed by the model's own final norm, must give it). That work is launched
-where the forward ends and reaches the host asynchronously; ``finish`` compares on the host. Any
-mismatch fails the call (``SelfCheckFailed``); ``SPECULATORS_COMPAT_SELF_CHECK_ROWS=0`` turns it off.
+captured last layer, normed by the model's own final norm, must give it). Any mismatch fails the
+call (``SelfCheckFailed``); ``SPECULATORS_COMPAT_SELF_CHECK_ROWS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -66,29 +65,14 @@ def positions_index(layer_cls) -> int | None:
 KINDS = {"tokens": "token ids", "positions": "positions", "copies": "layer rows", "final": "final norm"}
 
 
-def _to_host(tensor, events: list):
-    """``tensor`` on the host: from a GPU page-locked and asynchronous (an event marks it done,
-    nothing waits here), from elsewhere a plain copy."""
-    import torch
-
-    if tensor.device.type != "cuda":
-        return tensor.cpu()
-    host = tensor.to("cpu", non_blocking=True)
-    if not events:
-        events.append(torch.cuda.Event())
-    return host
-
-
 class _Sample:
-    __slots__ = ("meta", "src", "index", "ids", "pos", "layers", "final", "host", "event")
+    __slots__ = ("meta", "src", "index", "ids", "pos", "layers", "final")
 
     def __init__(self, meta, src):
         self.meta, self.src = meta, src  # [(req_id, destination row)], [source row]
         self.index = None
         self.ids = self.pos = self.final = None
         self.layers: dict = {}
-        self.host = None  # after seal: what the report reads, on the host
-        self.event = None
 
     def rows(self, tensor):
         """The sampled rows of ``tensor`` (on its device, no wait); None where it is not one row
@@ -104,41 +88,6 @@ class _Sample:
             self.index = index.to(tensor.device)
         return tensor.index_select(0, self.index)
 
-    def seal(self, dtype, final_norm, final_slot) -> str | None:
-        """Launch this sample's work on its device and its one-way trip to the host: token ids and
-        positions; each layer's rows in the exchange's ``dtype`` as bytes; and, where the last
-        layer and the engine's final-norm output were sampled, the norm of that row (in
-        ``dtype``: the exchange's value) against the engine's output, with whether each is
-        finite. Drops the device tensors; returns why the final norm could not be re-run, else None."""
-        import torch
-
-        events: list = []
-        host: dict = {"layers": sorted(self.layers)}
-        small = [t.reshape(-1).to(torch.long) for t in (self.ids, self.pos) if t is not None]
-        host["small"] = (self.ids is not None, self.pos is not None, _to_host(torch.cat(small), events) if small else None)
-        if self.layers:
-            rows = torch.cat([self.layers[slot].to(dtype) for slot in host["layers"]])
-            host["bytes"] = _to_host(rows.view(torch.uint8).view(rows.shape[0], -1), events)
-        why = None
-        if final_norm is not None and self.final is not None and final_slot in self.layers:
-            x = self.layers[final_slot].to(dtype)
-            try:
-                with torch.no_grad():
-                    normed = final_norm(x)
-                normed = normed[0] if isinstance(normed, tuple) else normed
-                ref = self.final.float()
-                rel = (normed.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
-                host["final"] = _to_host(torch.stack([rel, torch.isfinite(ref).all(dim=-1).float(),
-                                                      torch.isfinite(x).all(dim=-1).float()]), events)
-                host["final_dtype"] = self.final.dtype
-            except Exception as exc:  # noqa: BLE001 - the norm re-run outside its forward: not covered, never a failure
-                why = f"the final norm cannot be re-run: {type(exc).__name__}: {exc}"[:200]
-        if events:
-            events[0].record()
-            self.event = events[0]
-        self.host, self.index, self.ids, self.pos, self.final, self.layers = host, None, None, None, None, {}
-        return why
-
 
 class RowCheck:
     """The worker's samples of one call (``rows`` per sampled step; 0: off)."""
@@ -147,8 +96,6 @@ class RowCheck:
         self.rows = max(0, int(rows))
         self.samples: list[_Sample] = []
         self.steps = 0
-        self.why_final: str | None = None
-        self.seal_s = 0.0
 
     def pick(self, spans) -> _Sample | None:
         """This step's sample: the first and last row of up to rows/2 sequences, on steps 0-3 and
@@ -167,77 +114,90 @@ class RowCheck:
         self.samples.append(sample)
         return sample
 
-    def seal(self, sample, dtype, final_norm, final_slot) -> None:
-        """``sample.seal`` once (where the forward ends on this stage, or at ``finish``), timed."""
+    def report(self, exchange_rows, slots: dict, final_norm, final_slot, why_not: dict) -> dict:
+        """What the driver judges: the token seen per sampled (req_id, row), the rows that failed,
+        how many rows each kind saw, and why a kind saw none (``why_not``, by kind). Every sample
+        at once, on the samples' device: one gather of the exchange's rows (``exchange_rows``:
+        [(req_id, slot, row)] -> rows) sent there, the comparisons and one final-norm call there,
+        one transfer back; ``cost_s``: the time each part took."""
         import time
 
-        if sample is None or sample.host is not None:
-            return
-        mark = time.perf_counter()
-        why = sample.seal(dtype, final_norm, final_slot)
-        self.why_final = self.why_final or why
-        self.seal_s += time.perf_counter() - mark
+        import torch
 
-    def report(self, exchange_rows, slots: dict, why_not: dict) -> dict:
-        """What the driver judges, on the host from the sealed samples: the token seen per sampled
-        (req_id, row), the rows that failed, how many rows each kind saw, and why a kind saw none
-        (``why_not``, by kind). ``exchange_rows([(req_id, slot, row)])``: those rows of the
-        exchange as one (len, row bytes) uint8 array; ``cost_s``: the time each part took."""
-        import time
-
-        import numpy as np
-
-        clock = time.perf_counter
-        cost = {"seal": self.seal_s, "wait": 0.0, "gather": 0.0, "compare": 0.0}
+        clock, cost = time.perf_counter, {"gather": 0.0, "device": 0.0, "transfer": 0.0}
         out: dict[str, Any] = {"cost_s": cost, "rows": sum(len(s.meta) for s in self.samples), "off": not self.rows,
                                "tokens": [], "positions_bad": [], "copies_bad": [], "final_max_rel_error": 0.0,
                                "final_bad": [], "seen": dict.fromkeys(KINDS, 0), "why_not": dict(why_not)}
-        if self.why_final:
-            out["why_not"]["final"] = self.why_final
         seen = out["seen"]
         layer_of = {slot: lid for lid, slot in slots.items()}
-        samples = [s for s in self.samples if s.host is not None]
+        small = [(s, kind, t) for s in self.samples for kind, t in (("tokens", s.ids), ("positions", s.pos))
+                 if t is not None]
+        pairs = [(s, slot) for s in self.samples for slot in s.layers]
+        finals = [s for s in self.samples if s.final is not None] if final_norm is not None else []
         mark = clock()
-        for s in samples:
-            if s.event is not None:
-                s.event.synchronize()
-        cost["wait"] = clock() - mark
-        mark = clock()
-        wanted = [(rid, slot, d) for s in samples for slot in s.host["layers"] for rid, d in s.meta]
-        exchange = exchange_rows(wanted) if wanted else None
+        # the exchange's rows of every (sample, slot) compared or normed below: one gather
+        keys = pairs + [(s, final_slot) for s in finals if final_slot not in s.layers]
+        at: dict = {}
+        host_rows = torch.empty(0, dtype=torch.uint8)
+        if keys:
+            host_rows = exchange_rows([(rid, slot, d) for s, slot in keys for rid, d in s.meta])
+            k = 0
+            for s, slot in keys:
+                at[(id(s), slot)], k = k, k + len(s.meta)
         cost["gather"] = clock() - mark
         mark = clock()
-        if wanted:
-            computed = np.concatenate([s.host["bytes"].numpy() for s in samples if s.host["layers"]])
-            same = (computed == exchange).all(axis=1).tolist()
-        k, limit, rels = 0, None, []
-        for s in samples:
-            has_ids, has_pos, small = s.host["small"]
-            values = small.tolist() if small is not None else []
-            n = len(s.meta)
-            if has_ids:
-                seen["tokens"] += n
-                out["tokens"] += [(rid, d, v) for (rid, d), v in zip(s.meta, values[:n])]
-            if has_pos:
-                seen["positions"] += n
-                part = values[n:] if has_ids else values[:n]
-                out["positions_bad"] += [(rid, d, v) for (rid, d), v in zip(s.meta, part) if v != d]
-            for slot in s.host["layers"]:
-                seen["copies"] += n
-                out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(s.meta, same[k:k + n]) if not ok]
-                k += n
-            if "final" in s.host:
-                rel, ref_finite, row_finite = s.host["final"].tolist()
-                limit = tolerance(s.host["final_dtype"])
-                seen["final"] += n
-                rels += [e for e in rel if e == e]
-                out["final_bad"] += [(rid, d, e, bool(f_ref), bool(f_row))
-                                     for (rid, d), e, f_ref, f_row in zip(s.meta, rel, ref_finite, row_finite)
-                                     if not e <= limit]
-        if limit is not None:
+        tensors = [t for _, _, t in small] + [s.layers[slot] for s, slot in pairs] + [s.final for s in finals]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        packed = []  # float32 parts of the one transfer back (token ids and positions below 2**24 are exact in it)
+        if small:
+            packed.append(torch.cat([t.reshape(-1).to(torch.float32) for _, _, t in small]))
+        rows = host_rows.to(device) if keys else host_rows
+        if pairs:  # the layers' rows as computed vs the exchange's, bit for bit
+            # the copy converts to the exchange's dtype (a layer may keep an fp32 residual in fp16)
+            computed = torch.cat([s.layers[slot].to(rows.dtype) for s, slot in pairs])
+            n = computed.shape[0]
+            same = (computed.view(torch.uint8).view(n, -1) == rows[:n].view(torch.uint8).view(n, -1)).all(dim=1)
+            packed.append(same.to(torch.float32))
+        normed_ok = False
+        if finals:  # the captured last layer, normed by the model: one call
+            index = torch.tensor([at[(id(s), final_slot)] + j for s in finals for j in range(len(s.meta))],
+                                 dtype=torch.long).to(device)
+            ref = torch.cat([s.final for s in finals]).float()
+            try:
+                with torch.no_grad():
+                    normed = final_norm(rows.index_select(0, index).to(ref.device))
+                normed = normed[0] if isinstance(normed, tuple) else normed
+            except Exception as exc:  # noqa: BLE001 - the norm outside its forward: not covered, never a failure
+                out["why_not"]["final"] = f"the final norm cannot be re-run: {type(exc).__name__}: {exc}"[:200]
+            else:
+                rel = (normed.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
+                packed.append(rel.to(device=device, dtype=torch.float32))
+                packed.append(torch.isfinite(ref).all(dim=-1).to(device=device, dtype=torch.float32))
+                normed_ok = True
+        cost["device"] = clock() - mark
+        mark = clock()
+        values = torch.cat(packed).cpu().tolist() if packed else []
+        cost["transfer"] = clock() - mark
+        k = 0
+        for s, kind, t in small:
+            part, k = values[k:k + t.numel()], k + t.numel()
+            seen[kind] += len(s.meta)
+            if kind == "tokens":
+                out["tokens"] += [(rid, d, int(v)) for (rid, d), v in zip(s.meta, part)]
+            else:
+                out["positions_bad"] += [(rid, d, int(v)) for (rid, d), v in zip(s.meta, part) if v != d]
+        for s, slot in pairs:
+            part, k = values[k:k + len(s.meta)], k + len(s.meta)
+            seen["copies"] += len(s.meta)
+            out["copies_bad"] += [(rid, d, layer_of[slot]) for (rid, d), ok in zip(s.meta, part) if ok != 1.0]
+        if normed_ok:
+            meta = [m for s in finals for m in s.meta]
+            rel, ref_finite = values[k:k + len(meta)], values[k + len(meta):]
+            limit = tolerance(finals[0].final.dtype)
+            seen["final"] += len(meta)
+            out["final_max_rel_error"] = max([0.0, *(e for e in rel if e == e)])
             out["final_limit"] = limit
-            out["final_max_rel_error"] = max([0.0, *rels])
-        cost["compare"] = clock() - mark
+            out["final_bad"] = [(rid, d, e, f == 1.0) for (rid, d), e, f in zip(meta, rel, ref_finite) if not e <= limit]
         return out
 
 
