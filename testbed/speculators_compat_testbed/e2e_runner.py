@@ -506,7 +506,7 @@ def _case_verdicts(result: dict, outputs: dict, batches: dict, seqs_by_case, ids
     result["cases"]["repeat"] = {
         "identical": len(outputs["mixed"]) == len(outputs["repeat"]) and all(
             len(x["hidden_states"]) == len(y["hidden_states"])
-            and all(a.shape == b.shape and bool(same_bits(a.cpu(), b.cpu()).all())
+            and all(a.shape == b.shape and a.dtype == b.dtype and bool(same_bits(a.cpu(), b.cpu()).all())
                     for a, b in zip(x["hidden_states"], y["hidden_states"]))
             for x, y in zip(outputs["mixed"], outputs["repeat"])
         )
@@ -554,7 +554,7 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
         ref = got["variants"]["own"][name]
         first = None  # the first row (in sequence, layer, row order) that differs
         by_layer: dict = {}  # layer -> [rows bit-identical, rows]
-        non_finite = 0  # the generator's rows holding a NaN or inf (bit-identical ones: the engine made them)
+        non_finite = 0  # the generator's rows holding a NaN or inf, identical to the reference's or not
         for s_i, (out, want) in enumerate(zip(outputs[name], ref)):
             for l_i, (a, b) in enumerate(zip(out["hidden_states"], want)):
                 counts = by_layer.setdefault(layer_ids[l_i], [0, 0])

@@ -424,7 +424,7 @@ def _own_forward_line(settled: dict) -> str:
         parts.append(f"{name} {c['identical']}/{c['rows']} rows bit-identical"
                      + (f" (first: seq {d['sequence']} layer {d['layer']} row {d.get('row')}: {d['error']:.3g})"
                         if d and isinstance(d.get("error"), float) else (f" ({d['error']})" if d else ""))
-                     + (f", {c['non_finite_rows']} of them non-finite" if c.get("non_finite_rows") else ""))
+                     + (f", {c['non_finite_rows']} rows of the capture non-finite" if c.get("non_finite_rows") else ""))
     return "vs vLLM's own forward (shim off, scheduled as the generator): " + "; ".join(parts)
 
 
