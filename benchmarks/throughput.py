@@ -91,6 +91,31 @@ def _worker_peaks(self):
     return {"allocated_now": now, "max_allocated": peak, "transient_peak": peak - now}
 
 
+def _op_probe(self=None):
+    """Threads of this process, and the cost of 400 tiny CPU torch ops and of a 1 MB host copy: a
+    worker whose other threads hold the GIL shows slower ops here than the driver does."""
+    import sys
+    import threading
+    import time
+
+    import numpy as np
+    import torch
+
+    x = torch.zeros(4)
+    t = time.perf_counter()
+    for _ in range(400):
+        x = x + 1
+    ops = (time.perf_counter() - t) / 400
+    a = np.ones(1 << 20, dtype=np.uint8)
+    t = time.perf_counter()
+    for _ in range(10):
+        b = a.copy()
+    copy = (time.perf_counter() - t) / 10
+    del b
+    return {"op_us": ops * 1e6, "copy_1mb_us": copy * 1e6, "switch_interval_s": sys.getswitchinterval(),
+            "threads": sorted(th.name for th in threading.enumerate())}
+
+
 def _worker_reset_peaks(self):
     import torch
 
@@ -290,6 +315,7 @@ def main() -> int:
         if platform == "cuda":
             _device_reset(gen, llm, xllm)
         shim_s, native_s, extract_s, shim1_s, phases, orders = [], [], [], [], [], []
+        phases1: list[dict] = []
         nocheck_s: list[float] = []
         nocheck_phases: list[dict] = []
         if args.self_check_control:  # its warm-up, apart like the others
@@ -310,6 +336,7 @@ def main() -> int:
             t = time.perf_counter()
             res = gen1.generate(prompts)
             shim1_s.append(time.perf_counter() - t)
+            phases1.append(dict(getattr(gen1, "_speculators_compat_timings", {}) or {}))
             assert len(res) == len(prompts) and len(res[0]["hidden_states"]) == 1
 
         def run_nocheck():
@@ -379,6 +406,12 @@ def main() -> int:
             row["capture_cost_min"] = min(cost)
             row["capture_cost_max"] = max(cost)
             row["capture_cost_median_ci95"] = median_ci95(cost)
+            row["shim_1layer_phase_median_s"] = {  # where the extra layers' time goes (vs shim_phase_median_s)
+                k: statistics.median(p[k] for p in phases1)
+                for k in (phases1[0] if phases1 else {})
+                if k != "iterations" and isinstance(phases1[0][k], (int, float))
+            }
+            row["call_median_s"] = {"shim": statistics.median(shim_s), "shim_1layer": statistics.median(shim1_s)}
             if native_s:
                 # shim/native = (shim_1layer/native: driver vs LLM front end) x (shim/shim_1layer: capture)
                 row["driver_vs_native_median"] = statistics.median(n / s1 for s1, n in zip(shim1_s, native_s))
@@ -406,6 +439,10 @@ def main() -> int:
             row["vllm_extract_max_rel_err_vs_shim"] = agreement
         if platform == "cuda":
             row["device_memory"] = _device_memory(gen, llm, xllm)
+        try:  # is a tiny op dearer in the generator's worker than here? (GIL holders there)
+            row["op_probe"] = {"driver": _op_probe(), "shim_worker": gen.executor.collective_rpc(_op_probe)[0]}
+        except Exception as exc:  # noqa: BLE001
+            row["op_probe"] = {"error": f"{type(exc).__name__}: {exc}"}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
         print(json.dumps({"exchange_pool": _pool_stats(gen)}), flush=True)

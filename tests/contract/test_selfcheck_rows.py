@@ -80,7 +80,7 @@ def run_call(tmp_path, dtype=torch.bfloat16, fp32_residual=False, adapter=FUSED_
                 state.on_final_norm(norm(hidden.to(residual.dtype), residual)[0].to(dtype))
     if corrupt is not None:
         rid, slot, row = corrupt
-        state.buffers[rid][slot][row] += 1
+        state.block(rid, slot)[row] += 1
     reply = state.finish()
     return reply, judge([reply["check"]], SEQS, LAYERS)
 
@@ -148,3 +148,20 @@ def test_the_gather_reads_each_row_where_it_lies_in_every_chunk():
         assert torch.equal(got[k], chunks[chunk_id][off:off + row_bytes]), (k, chunk_id, off)
     one = gather_rows({3: chunks[3]}, [(3, 5), (3, 0)], row_bytes)  # one chunk: the rows in the order asked
     assert torch.equal(one[0], chunks[3][5:5 + row_bytes]) and torch.equal(one[1], chunks[3][:row_bytes])
+
+
+@pytest.mark.parametrize("where, match", [("past", "ends past its chunk"), ("unknown", "was not given")])
+def test_a_block_outside_the_workers_chunks_is_refused_at_begin(tmp_path, where, match):
+    pool = ExchangePool(str(tmp_path))
+    placements, new, _ = pool.allocate_runs([[(("r0", 0), 5 * HIDDEN * 2)]])
+    chunk_id, offset = placements[("r0", 0)][:2]
+    size = next(c for c in new if c.id == chunk_id).ref().size
+    block = (chunk_id, size - 4 * HIDDEN * 2) if where == "past" else (chunk_id + 99, offset)
+    worker = SimpleNamespace(_captured_states=None, model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=[])))
+    state = CaptureState(worker, (1,))
+    state.capture = True
+    with pytest.raises(ValueError, match=match):
+        state.begin(Begin(call=0, caller_pid=os.getpid(), new_chunks={c.id: c.ref() for c in new},
+                          live_chunks=tuple(sorted(pool.chunks)), layers=1, hidden=HIDDEN, pin=False,
+                          dtype="bfloat16", check_rows=0, placements={"r0": ([block], 5)}))
+    assert not state.active

@@ -58,7 +58,7 @@ class CaptureState:
         self.runner_kind = None
         self.last_v2_req_ids = None
         self.call = None
-        self.buffers = None  # req_id -> [tensor [tokens, hidden] per captured layer]
+        self.active = False  # inside a driver call (begin .. finish/abort)
         self.written = None  # req_id -> [rows written this call, per captured layer]
         self.chunks = {}  # exchange chunk id -> (uint8 tensor, mmap, page-locked?); kept across calls
         self.step = None  # req_id -> (num_tokens, num_computed_before)
@@ -112,7 +112,7 @@ class CaptureState:
     # -- the hook -----------------------------------------------------------------------
     def in_step(self) -> bool:
         """True inside one of the driver's steps; this step's spans, copies and sample made once."""
-        if self.buffers is None or self.step is None or self.in_check:
+        if not self.active or self.step is None or self.in_check:
             return False  # vLLM's warm-up or a forward outside the driver's steps: nothing placed
         if self.spans is None:
             self.spans = self.compute_spans()
@@ -140,7 +140,7 @@ class CaptureState:
             adapter.check_output(type(module), output)
             self.checked.add(layer_id)
         stream = adapter.residual_stream(output)
-        if self.buffers is not None:
+        if self.active:
             if not self.in_step():
                 return
             slot = self.slot[layer_id]
@@ -227,20 +227,26 @@ class CaptureState:
             self.chunks[chunk_id] = (tensor, mm, pinned)
         dtype = getattr(torch, b.dtype)
         row_bytes = b.hidden * torch.empty((), dtype=dtype).element_size()
-        buffers, written, places, lengths, pinned = {}, {}, {}, {}, True
+        # each block is checked to lie in its chunk; the copies' views are made per step (merge_copies)
+        written, places, lengths, used = {}, {}, {}, set()
         for req_id, (blocks, n) in b.placements.items():
             if len(blocks) != b.layers:
                 raise ValueError(f"begin: {req_id} has {len(blocks)} layer blocks for {b.layers} layers")
-            views = []
             for chunk_id, offset in blocks:
-                tensor, _mm, chunk_pinned = self.chunks[chunk_id]
-                pinned = pinned and chunk_pinned
-                views.append(tensor[offset : offset + n * row_bytes].view(dtype).view(n, b.hidden))
-            buffers[req_id] = views
+                if chunk_id not in self.chunks:
+                    raise ValueError(f"begin: {req_id} is placed in exchange chunk {chunk_id}, which this worker "
+                                     f"was not given (it has {sorted(self.chunks)})")
+                size = self.chunks[chunk_id][0].numel()
+                if offset < 0 or offset + n * row_bytes > size:
+                    raise ValueError(f"begin: {req_id}'s block at byte {offset} ({n} rows of {row_bytes} bytes) "
+                                     f"ends past its chunk {chunk_id} of {size} bytes")
+                used.add(chunk_id)
             places[req_id] = list(blocks)
             lengths[req_id] = n
             written[req_id] = [0] * b.layers
-        self.buffers, self.written, self.places, self.lengths, self.pinned = buffers, written, places, lengths, pinned
+        pinned = all(self.chunks[c][2] for c in used)
+        self.active = True
+        self.written, self.places, self.lengths, self.pinned = written, places, lengths, pinned
         self.layout = (dtype, b.hidden, row_bytes)
         self.row_check = RowCheck(b.check_rows)
         return {"rank_captures": True, "pinned": self.pinned, "chunks": len(self.chunks)}
@@ -277,6 +283,13 @@ class CaptureState:
         self.end()
         return result
 
+    def block(self, req_id, slot):
+        """The exchange's rows of ``req_id`` for captured-layer ``slot``: a (rows, hidden) view."""
+        dtype, hidden, row_bytes = self.layout
+        chunk_id, offset = self.places[req_id][slot]
+        n = self.lengths[req_id]
+        return self.chunks[chunk_id][0][offset : offset + n * row_bytes].view(dtype).view(n, hidden)
+
     def exchange_rows(self, wanted):
         """The exchange's rows [(req_id, slot, row)], in order, as one (len, hidden) tensor."""
         dtype, hidden, row_bytes = self.layout
@@ -293,7 +306,7 @@ class CaptureState:
         self.end()
 
     def end(self):
-        self.buffers = None
+        self.active = False
         self.written = None
         self.places = None
         self.lengths = None

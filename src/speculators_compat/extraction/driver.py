@@ -72,6 +72,7 @@ def _generate(self, token_ids):
 
     module = sys.modules[GENERATOR]
     log = module.log
+    started = time.perf_counter()
     seqs = inputs.sequences(token_ids)
     layer_ids, requested = inputs.check_layer_ids(self.layer_ids)
     log.debug(f"Generating hidden states for {len(seqs)} sequences")
@@ -102,6 +103,7 @@ def _generate(self, token_ids):
         setattr(self, POOL_ATTR, pool)
     timings = {}
     mark = time.perf_counter()
+    timings["prepare"] = mark - started
     # one block [tokens, hidden] per sequence and layer (each result tensor owns its storage); a
     # layer's blocks back to back in input order, so a step's rows of consecutive sequences are
     # one range for the workers' copies
@@ -124,7 +126,9 @@ def _generate(self, token_ids):
     try:
         rpc(self.executor, protocol.BEGIN, begin)
         timings["begin"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         _add_requests(self, module, req_ids, seqs)
+        timings["add_requests"] = time.perf_counter() - mark
         mark = time.perf_counter()
         depth = steps.pipeline_depth(self.executor)
         timings["driver"] = f"pipelined({depth})" if depth > 1 else "serial"
@@ -134,13 +138,16 @@ def _generate(self, token_ids):
         finished = [r for r in rpc(self.executor, protocol.FINISH) if r]
         counts = _merge_counts([r["written"] for r in finished])
         timings["finish"] = time.perf_counter() - mark
-        for part in ("gather", "device", "transfer"):  # the self-check's share of finish (slowest rank)
+        for part in ("gather", "device", "norm", "transfer"):  # the self-check's share of finish (slowest rank)
             timings[f"check_{part}"] = max((r["check"].get("cost_s", {}).get(part, 0.0) for r in finished
                                             if r.get("check")), default=0.0)
         log.debug(f"Extraction took {iterations} scheduler iterations in {timings['steps']:.3f}s")
+        mark = time.perf_counter()
         _verify(req_ids, lengths, computed, counts, nlayers)
         checked = selfcheck.judge([r["check"] for r in finished], dict(zip(req_ids, seqs)), layer_ids)
         _tally(self, checked)
+        timings["judge"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         results = []
         for i, rid in enumerate(req_ids):
             n = lengths[rid]
@@ -159,6 +166,7 @@ def _generate(self, token_ids):
         unhanded = {key: p for key, p in placements.items() if key not in handed}
         _recover(self, req_ids, exc, pool, unhanded, new_chunks)
         raise
+    timings["results"] = time.perf_counter() - mark
     timings["iterations"] = iterations
     setattr(self, TIMINGS_ATTR, timings)
     return results
