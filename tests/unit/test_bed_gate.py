@@ -18,17 +18,17 @@ _spec.loader.exec_module(bed)
 
 
 def test_gate_modules_import_the_shim_first():
-    mods = bed.gate_modules("0.4.0.1", "0.32.0", True, ["pytest"])
+    mods = bed.envs.gate_modules("0.4.0.1", "0.32.0", True, ["pytest"])
     assert mods[0] == "speculators_compat" and mods.index("vllm") < mods.index("speculators")
     assert "speculators.data_generation.vllm_hidden_states_generator" in mods and mods[-1] == "pytest"
     # an env for training (no vLLM): speculators.data_generation imports vLLM, so only speculators
-    assert bed.gate_modules("0.4.0.1", "none", False, []) == ["speculators"]
+    assert bed.envs.gate_modules("0.4.0.1", "none", False, []) == ["speculators"]
 
 
 def test_gate_passes_and_fails_for_real(tmp_path):
-    runner = bed.Runner(tmp_path / "bed.log")
-    assert bed.run_gate(runner, sys.executable, ["json", "pytest"]) is None
-    why = bed.run_gate(runner, sys.executable, ["json", "no_such_module_for_the_gate", "pytest"])
+    runner = bed.envs.Runner(tmp_path / "bed.log")
+    assert bed.envs.run_gate(runner, sys.executable, ["json", "pytest"]) is None
+    why = bed.envs.run_gate(runner, sys.executable, ["json", "no_such_module_for_the_gate", "pytest"])
     assert why and why.startswith("no_such_module_for_the_gate: ModuleNotFoundError"), why
 
 
@@ -36,13 +36,14 @@ def test_reused_env_failing_the_gate_loses_its_marker(tmp_path, monkeypatch):
     """An env marked complete by an older bed.py (no gate) is gated on reuse; failing, it is
     unmarked and the call errors with the reason."""
     root = tmp_path / "envs"
-    env = root / bed.env_name("0.4.0.1", "0.32.0")
+    env = root / bed.envs.env_name("0.4.0.1", "0.32.0")
     (env / "bin").mkdir(parents=True)
     (env / "bin" / "python").symlink_to(sys.executable)
-    monkeypatch.setattr(bed, "recipe_hash", lambda s, v: "h")
-    monkeypatch.setattr(bed, "find_uv", lambda: "uv")
-    monkeypatch.setattr(bed, "ensure_vllm_alias", lambda env: None)
-    monkeypatch.setattr(bed, "REPO", tmp_path)  # no pyproject: no self install
+    envs = bed.envs  # scripts/bedlib/envs.py: where ensure_env looks these up
+    monkeypatch.setattr(envs, "recipe_hash", lambda s, v: "h")
+    monkeypatch.setattr(envs, "find_uv", lambda: "uv")
+    monkeypatch.setattr(envs, "ensure_vllm_alias", lambda env: None)
+    monkeypatch.setattr(envs, "REPO", tmp_path)  # no pyproject: no self install
     (env / ".bed-complete").write_text(json.dumps({"hash": "h", "extras": [], "self": False}))
     # this interpreter has no vllm/speculators: the gate must fail
     with pytest.raises(bed.BedError, match="not usable"):
