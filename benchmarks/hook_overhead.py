@@ -67,10 +67,16 @@ def main() -> int:
     state = CaptureState(_Worker(), [0])
     state.capture = True
     state.runner_kind = "v1"
-    buf = torch.empty(args.tokens, args.hidden, pin_memory=dev.type == "cuda")
-    state.buffers = {"r": [buf]}
+    # one exchange chunk holding sequence "r"'s block, as CaptureState.begin sets it up
+    row_bytes = args.hidden * hidden.element_size()
+    chunk = torch.empty(args.tokens * row_bytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    state.chunks = {0: (chunk, None, dev.type == "cuda")}
+    state.places, state.lengths = {"r": [(0, 0)]}, {"r": args.tokens}
+    state.layout = (hidden.dtype, args.hidden, row_bytes)
     state.written = {"r": [0]}
     state.pinned = dev.type == "cuda"
+    state.active = True
+    buf = chunk.view(hidden.dtype).view(args.tokens, args.hidden)
     state.batch_order = lambda: ["r"]
     state.set_step({"r": (args.tokens, 0)})
 
@@ -113,7 +119,7 @@ def main() -> int:
     results = {k: statistics.median(v) for k, v in samples.items()}
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    if not torch.equal(buf[0], (hidden + residual).cpu()):
+    if not torch.equal(buf, (hidden + residual).cpu()):
         raise SystemExit("the shim's hook did not capture hidden + residual")
     results["added_by_dispatch_ns"] = results["b_noop_hook_ns"] - results["a_direct_ns"]
     results["added_by_shim_hook_ns"] = results["d_shim_hook_capturing_ns"] - results["a_direct_ns"]
