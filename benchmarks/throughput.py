@@ -406,6 +406,7 @@ def main() -> int:
             row["capture_cost_min"] = min(cost)
             row["capture_cost_max"] = max(cost)
             row["capture_cost_median_ci95"] = median_ci95(cost)
+            row["shim_1layer_phase_s"] = phases1  # per repetition, paired with shim_phase_s
             row["shim_1layer_phase_median_s"] = {  # where the extra layers' time goes (vs shim_phase_median_s)
                 k: statistics.median(p[k] for p in phases1)
                 for k in (phases1[0] if phases1 else {})
@@ -424,6 +425,7 @@ def main() -> int:
             row["self_check_cost_max"] = max(cost)
             row["self_check_cost_median_ci95"] = median_ci95(cost)
             row["self_check_tally"] = getattr(gen, "_speculators_compat_self_check", None)
+            row["shim_nocheck_phase_s"] = nocheck_phases  # per repetition, paired with shim_phase_s
             row["shim_nocheck_phase_median_s"] = {  # where the self-check's time goes (vs shim_phase_median_s)
                 k: statistics.median(p[k] for p in nocheck_phases)
                 for k in (nocheck_phases[0] if nocheck_phases else {})
