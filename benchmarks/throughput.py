@@ -147,6 +147,12 @@ def _device_memory(gen, llm, xllm) -> dict:
     return out
 
 
+def _phase_medians(phases: list[dict]) -> dict:
+    """Each numeric phase's median over the repetitions (``iterations`` and labels left out)."""
+    return {k: statistics.median(p[k] for p in phases) for k in (phases[0] if phases else {})
+            if k != "iterations" and isinstance(phases[0][k], (int, float))}
+
+
 def median_ci95(values: list[float]) -> list[float] | None:
     """Distribution-free 95 % confidence interval of the median of paired per-repetition ratios:
     order statistics (k, n+1-k) with the largest k such that P(Binomial(n, 1/2) < k) <= 2.5 %.
@@ -385,11 +391,7 @@ def main() -> int:
             "shim_tok_s": [tokens / s for s in shim_s],
             "shim_median_tok_s": tokens / statistics.median(shim_s),
             "shim_phase_s": phases,
-            "shim_phase_median_s": {
-                k: statistics.median(p[k] for p in phases)
-                for k in (phases[0] if phases else {})
-                if k != "iterations" and isinstance(phases[0][k], (int, float))
-            },
+            "shim_phase_median_s": _phase_medians(phases),
         }
         if native_s:
             row["native_tok_s"] = [tokens / s for s in native_s]
@@ -407,11 +409,7 @@ def main() -> int:
             row["capture_cost_max"] = max(cost)
             row["capture_cost_median_ci95"] = median_ci95(cost)
             row["shim_1layer_phase_s"] = phases1  # per repetition, paired with shim_phase_s
-            row["shim_1layer_phase_median_s"] = {  # where the extra layers' time goes (vs shim_phase_median_s)
-                k: statistics.median(p[k] for p in phases1)
-                for k in (phases1[0] if phases1 else {})
-                if k != "iterations" and isinstance(phases1[0][k], (int, float))
-            }
+            row["shim_1layer_phase_median_s"] = _phase_medians(phases1)  # where the extra layers' time goes (vs shim_phase_median_s)
             row["call_median_s"] = {"shim": statistics.median(shim_s), "shim_1layer": statistics.median(shim1_s)}
             if native_s:
                 # shim/native = (shim_1layer/native: driver vs LLM front end) x (shim/shim_1layer: capture)
@@ -426,11 +424,7 @@ def main() -> int:
             row["self_check_cost_median_ci95"] = median_ci95(cost)
             row["self_check_tally"] = getattr(gen, "_speculators_compat_self_check", None)
             row["shim_nocheck_phase_s"] = nocheck_phases  # per repetition, paired with shim_phase_s
-            row["shim_nocheck_phase_median_s"] = {  # where the self-check's time goes (vs shim_phase_median_s)
-                k: statistics.median(p[k] for p in nocheck_phases)
-                for k in (nocheck_phases[0] if nocheck_phases else {})
-                if k != "iterations" and isinstance(nocheck_phases[0][k], (int, float))
-            }
+            row["shim_nocheck_phase_median_s"] = _phase_medians(nocheck_phases)  # where the self-check's time goes (vs shim_phase_median_s)
         if extract_s:
             row["vllm_extract_tok_s"] = [tokens / s for s in extract_s]
             row["vllm_extract_median_tok_s"] = tokens / statistics.median(extract_s)
