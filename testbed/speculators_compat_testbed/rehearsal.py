@@ -276,6 +276,24 @@ def _gpus() -> int:
         return 0
 
 
+def _cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_bind(cpus: list[int], ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` TP ranks on a CPU: ``cpus`` split into equal
+    consecutive groups, one per rank ("0-3|4-7"; "0|1" on two cores)."""
+    if ranks < 1 or len(cpus) < ranks:
+        raise ValueError(f"expected at least {ranks} CPUs for {ranks} ranks; found {len(cpus)}")
+    per = len(cpus) // ranks
+    groups = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) and len(g) > 1
+                    else ",".join(map(str, g)) for g in groups)
+
+
 def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1, max_model_len=None,
              dtype: str = "auto", workdir: str | Path | None = None, timeout: int = 1800, keep: bool = False) -> dict:
     """Run the rehearsal; the result dict (``verdict`` pass/fail, findings, timings)."""
@@ -285,11 +303,16 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
     tp = tensor_parallel_size
     if tp < 1:
         raise CannotRehearse(f"--tensor-parallel-size: expected a positive integer; found {tp}")
-    tp_run = max(d for d in (1, 2) if d <= max(1, min(tp, gpus)))  # the shrunk model has 4 heads, 2 GDN key heads
+    # the shrunk model has 4 heads, 2 GDN key heads: TP 2 at most; on a CPU one rank per core group
+    devices = gpus or len(_cpus())
+    tp_run = max(d for d in (1, 2) if d <= max(1, min(tp, devices)))
     if tp_run != tp:
-        p["notes"].append(f"tensor-parallel-size {tp} rehearsed at {tp_run} ({gpus} GPUs here; the shrunk model has "
-                          f"{shrink_mod.HEADS} heads): sharding at TP {tp} is not covered")
+        p["notes"].append(f"tensor-parallel-size {tp} rehearsed at {tp_run} ({f'{gpus} GPUs' if gpus else f'{devices} CPUs'}"
+                          f" here; the shrunk model has {shrink_mod.HEADS} heads): sharding at TP {tp} is not covered")
         tp = tp_run
+    env = dict(os.environ)
+    if not gpus and tp > 1 and not env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(_cpus(), tp)  # "auto" wants one NUMA node per rank
     s = p["shrunk"]
     moe = any(s.text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
     run_dtype = dtype
@@ -318,7 +341,9 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         "model": str(model), "model_type": p["config"]["model_type"],
         "architectures": p["config"].get("architectures"), "published_layers": s.layers,
         "shrunk_layers": s.text["num_hidden_layers"], "layer_ids": p["layer_ids"],
-        "shrunk_layer_ids": p["shrunk_layer_ids"], "tensor_parallel_size": tp, "dtype": run_dtype,
+        "shrunk_layer_ids": p["shrunk_layer_ids"], "tensor_parallel_size": tp,
+        "tensor_parallel_size_asked": tensor_parallel_size, "cpu_bind": env.get("VLLM_CPU_OMP_THREADS_BIND") if not gpus and tp > 1 else None,
+        "dtype": run_dtype,
         "max_model_len": p["max_model_len"], "shrink": s.changes, "notes": p["notes"],
     }
     try:
@@ -333,7 +358,8 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         if gpus:
             cmd += ["--gpu-memory-utilization", os.environ.get("SPECULATORS_COMPAT_REHEARSAL_GPU_MEM", "0.3")]
         t = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env=env)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

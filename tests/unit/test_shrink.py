@@ -146,6 +146,16 @@ def test_tensor_parallel_size_must_be_positive(tmp_path):
         rehearsal.rehearse(tmp_path, tensor_parallel_size=0, workdir=tmp_path / "keep")
 
 
+def test_cpu_tensor_parallel_ranks_get_disjoint_core_groups():
+    """TP on a CPU: one consecutive group of this process's cores per rank (CPU vLLM's "auto"
+    binding wants one NUMA node per rank)."""
+    assert rehearsal.cpu_bind([0, 1], 2) == "0|1"
+    assert rehearsal.cpu_bind(list(range(8)), 2) == "0-3|4-7"
+    assert rehearsal.cpu_bind([0, 2, 4, 6, 7], 2) == "0,2|4,6"
+    with pytest.raises(ValueError, match="expected at least 2 CPUs for 2 ranks; found 1"):
+        rehearsal.cpu_bind([3], 2)
+
+
 def test_a_qwen_vl_wrapper_from_config_alone_gets_a_stand_in_image_processor(tmp_path):
     """Qwen3.5's published config.json alone: the plan goes ahead with a note, and the stand-in
     takes the patch and merge sizes from vision_config; a wrapper outside the Qwen-VL family, or
