@@ -630,10 +630,11 @@ def _control_report(captured, reference, seqs, l4s, dtype) -> dict:
 
 def _has_vision_tower(model_dir) -> bool:
     """True where the model's config.json has a vision config (a multimodal wrapper)."""
+    from .rehearsal import CannotRehearse, read_config
+
     try:
-        with open(os.path.join(str(model_dir), "config.json")) as f:
-            return "vision_config" in json.load(f)
-    except (OSError, ValueError):
+        return "vision_config" in read_config(model_dir)[0]
+    except CannotRehearse:
         return False
 
 
