@@ -248,7 +248,10 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
             common["layer_types"][-1] = "full_attention"
         if arch == "qwen3_5":  # the released layout: a VL wrapper around the text config
             ids = {t: VOCAB_SIZE - len(_QWEN35_TOKENS) + i for i, t in enumerate(_QWEN35_TOKENS)}
-            text = {k: v for k, v in common.items() if k != "architectures"}
+            text = {k: v for k, v in common.items() if k not in ("architectures", "rope_theta")}
+            # interleaved multimodal rope as released ([11, 11, 10] of head_dim 256 x 0.25 / 2 = 32)
+            text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                           mrope_section=[3, 3, 2], mrope_interleaved=True)
             return dict(
                 text_config=dict(text, model_type="qwen3_5_text"),
                 vision_config=dict(_QWEN35_VISION, out_hidden_size=hidden_size),
