@@ -20,6 +20,7 @@ from .configs import (
     _IMAGE_TOKEN,
     _LLAVA_IMAGE_SIZE,
     _LLAVA_PATCH,
+    _QWEN35_TOKENS,
     ARCHITECTURES,
     FACTORY_VERSION,
     MASSIVE,
@@ -48,6 +49,13 @@ def default_cache_root() -> Path:
 
 def _save_processor(arch: str, directory: Path) -> None:
     """Tokenizer (with the image token), image processor and processor of a multimodal arch."""
+    if arch == "qwen3_5":  # the vision special tokens last; the image processor from vision_config
+        from ..rehearsal import stand_in_image_processor
+
+        _build_tokenizer(VOCAB_SIZE, extra_special=_QWEN35_TOKENS).save_pretrained(directory)
+        cfg = json.loads((directory / "config.json").read_text())
+        (directory / "preprocessor_config.json").write_text(json.dumps(stand_in_image_processor(cfg), indent=2) + "\n")
+        return
     from transformers import CLIPImageProcessor, LlavaProcessor
 
     tok = _build_tokenizer(VOCAB_SIZE, extra_special=(_IMAGE_TOKEN,))

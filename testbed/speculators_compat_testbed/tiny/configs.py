@@ -33,7 +33,7 @@ HYBRID_ARCHITECTURES: tuple[str, ...] = ("qwen3_5", "qwen3_next")
 
 # Multimodal wrappers (a vision tower + projector around a text decoder). Prompts are text-only
 # token ids (what speculators feeds), so the captured layers are the text decoder's.
-MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava", "kimi_k25")
+MULTIMODAL_ARCHITECTURES: tuple[str, ...] = ("llava", "kimi_k25", "qwen3_5")
 
 # Mixture-of-experts archs: in bf16/fp16 a few tokens flip near-tied expert choices, so
 # captures differ from an HF reference by more than rounding on some rows (reference.compare bounds every row,
@@ -68,7 +68,7 @@ _MODEL_TYPE = {
     "gemma3": "gemma3_text",
     "llava": "llava",
     "kimi_k25": "kimi_k25",
-    "qwen3_5": "qwen3_5_text",  # the text-only config (Qwen3_5TextConfig); "qwen3_5" is the VL wrapper
+    "qwen3_5": "qwen3_5",  # the VL wrapper, as released Qwen3.5 checkpoints (text_config: qwen3_5_text)
     "qwen3_next": "qwen3_next",
 }
 
@@ -83,7 +83,8 @@ _ARCH_CLASS = {
     "gemma3": "Gemma3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
     "kimi_k25": "KimiK25ForConditionalGeneration",
-    "qwen3_5": "Qwen3_5ForCausalLM",  # vLLM 0.32 registers it (models/qwen3_5.py), transformers 5 has it
+    # as released (Qwen/Qwen3.5-27B): vLLM 0.24 refuses the text-only Qwen3_5ForCausalLM + Qwen3_5TextConfig
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
 }
 
@@ -92,6 +93,12 @@ _ARCH_CLASS = {
 _LLAVA_IMAGE_SIZE = 32
 _LLAVA_PATCH = 16
 _IMAGE_TOKEN = "<image>"  # the last id of the vocabulary (the e2e runner draws ids < 1000)
+# qwen3_5: a one-block Qwen3.5 vision tower (patch, temporal patch and merge sizes as released);
+# its special tokens take the last ids of the vocabulary, in this order
+_QWEN35_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=16,
+                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
+                      hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
+_QWEN35_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def _alternating(n: int, first: str, second: str) -> list[str]:
@@ -239,6 +246,22 @@ def tiny_config_kwargs(arch: str, *, num_layers: int = 4, hidden_size: int = 128
         )
         if num_layers < interval:  # keep at least one full-attention layer
             common["layer_types"][-1] = "full_attention"
+        if arch == "qwen3_5":  # the released layout: a VL wrapper around the text config
+            ids = {t: VOCAB_SIZE - len(_QWEN35_TOKENS) + i for i, t in enumerate(_QWEN35_TOKENS)}
+            text = {k: v for k, v in common.items() if k not in ("architectures", "rope_theta")}
+            # interleaved multimodal rope as released ([11, 11, 10] of head_dim 256 x 0.25 / 2 = 32)
+            text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                           mrope_section=[3, 3, 2], mrope_interleaved=True)
+            return dict(
+                text_config=dict(text, model_type="qwen3_5_text"),
+                vision_config=dict(_QWEN35_VISION, out_hidden_size=hidden_size),
+                vision_start_token_id=ids["<|vision_start|>"],
+                vision_end_token_id=ids["<|vision_end|>"],
+                image_token_id=ids["<|image_pad|>"],
+                video_token_id=ids["<|video_pad|>"],
+                tie_word_embeddings=False,
+                architectures=[_ARCH_CLASS[arch]],
+            )
         if arch == "qwen3_next":
             # Qwen3-Next is MoE in every layer (routed experts + a gated shared expert), and vLLM's
             # Qwen3NextForCausalLM needs at least one MoE layer ("No Qwen3Next layer found"). vLLM's
