@@ -31,7 +31,9 @@ def main() -> int:
         err = max((c["max_error"] for c in cases.values()), default=None)
         worst = max(((c.get("worst_row") or {}).get("error", 0) for c in cases.values()), default=None)
         repeat = (d.get("cases") or {}).get("repeat", {}).get("identical")
-        verdict = "error: " + d["error"]["type"] if d.get("error") else ("pass" if d.get("passed") else "**FAIL**")
+        settled = (d.get("settled") or {}).get("settled")
+        verdict = ("error: " + d["error"]["type"] if d.get("error") else "pass" if d.get("passed")
+                   else "settled: bit-identical to vLLM's own forward" if settled else "**FAIL**")
         rows.append(f"| {v.get('speculators')} | {v.get('vllm')} | {d.get('arch')}{' (' + f.stem.split('_' + d.get('arch', ''), 1)[-1].strip('_') + ')' if f.stem.split('_' + d.get('arch', ''), 1)[-1] else ''} "
                     f"| {d.get('dtype')} | {d.get('reference')} | {verdict} | "
                     f"{'%.2e' % err if err is not None else '—'} | {'%.2e' % worst if worst is not None else '—'} | {repeat} | [{f.name}]({f.name}) |")
