@@ -28,6 +28,7 @@ tested-table generator and the GPU script read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -260,7 +261,9 @@ def _start_generator(args, result: dict, model_dir, layer_ids, engine_dtype: str
     sc = generator.vllm_config.scheduler_config
     result["scheduler"] = {k: getattr(sc, k) for k in _SCHEDULE_KEYS if isinstance(getattr(sc, k, None), (int, bool))}
     cache_config = getattr(getattr(generator, "vllm_config", None), "cache_config", None)
-    result["engine"] = {"block_size": getattr(cache_config, "block_size", None)}
+    result["engine"] = {"block_size": getattr(cache_config, "block_size", None),
+                        # the KV blocks bound how much of a batch a step takes (the reference gets as many)
+                        "num_gpu_blocks": getattr(cache_config, "num_gpu_blocks", None)}
     custom_ops = getattr(getattr(generator.vllm_config, "compilation_config", None), "custom_ops", None)
     if isinstance(custom_ops, list):  # the kernels it picks (engine-options: CPU rotary op off)
         result["engine"]["custom_ops"] = list(custom_ops)
@@ -285,16 +288,51 @@ def _generate(args, result: dict, generator, say):
         generator.executor.collective_rpc(_arm_plant, args=(args.plant,))
         result["planted"] = args.plant
     say(f"engine ready in {result['init_s']:.1f}s; extracting hidden states")
+    result["generator_schedule"] = {}
     for name in ("mixed", "chunked", "truncated"):
         say(f"  generate: {name} batch ({len(batches[name])} sequences, {sum(len(x) for x in batches[name])} tokens)")
         t = time.perf_counter()
-        outputs[name] = generator.generate(batches[name])
+        with _schedule_log(generator) as steps:
+            outputs[name] = generator.generate(batches[name])
         result["cases"][name] = {"seconds": time.perf_counter() - t, "tokens": sum(len(s) for s in batches[name])}
+        result["generator_schedule"][name] = _per_sequence(steps, len(batches[name]))
     outputs["repeat"] = generator.generate(batches["mixed"])
     timings = getattr(generator, "_speculators_compat_timings", None) or {}
     result["driver"] = timings.get("driver")
     result["self_check"] = getattr(generator, "_speculators_compat_self_check", None)
     return batches, outputs
+
+
+@contextlib.contextmanager
+def _schedule_log(generator):
+    """Test-only: the steps this generator's scheduler makes during the block, each as
+    {request id: tokens} (its ``schedule`` wrapped on the instance, the class's method back after)."""
+    sched, steps = generator.scheduler, []
+    original = sched.schedule
+
+    def schedule(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            steps.append(dict(out.num_scheduled_tokens))
+        return out
+
+    sched.schedule = schedule
+    try:
+        yield steps
+    finally:
+        del sched.schedule
+
+
+def _per_sequence(steps: list, n: int) -> list:
+    """The steps as ``vllm_reference``'s schedule: per sequence [(first position, step, rows)]
+    (request ids ``req_<call>_<i>``, as speculators names them)."""
+    out, done = [[] for _ in range(n)], [0] * n
+    for k, step in enumerate(steps):
+        for rid, rows in step.items():
+            i = int(str(rid).rsplit("_", 1)[-1])
+            out[i].append([done[i], k, rows])
+            done[i] += rows
+    return out
 
 
 def _record_engine(result: dict, generator) -> None:
@@ -532,7 +570,7 @@ _SCHEDULE_KEYS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_
 
 def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, platform, versions) -> dict:
     """Every case's rows against vLLM's own forward with the shim off, scheduled as the generator
-    scheduled them (its token budget, max sequences, block size; ``vllm_reference`` "schedule":
+    scheduled them (its token budget, max sequences, block size and KV blocks; ``vllm_reference`` "schedule":
     "generator") and with its custom-op choice (on CPU engine-options turns vLLM's rotary op off).
     ``settled``: every row of every case bit-identical and the repeat call identical: what the
     reference disagrees with is the engine's own computation, not the capture."""
@@ -542,6 +580,10 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
     engine = result.get("engine") or {}
     if isinstance(engine.get("block_size"), int):  # the KV layout chunked prefill reads back
         schedule["block_size"] = engine["block_size"]
+    if isinstance(engine.get("num_gpu_blocks"), int) and platform == "cpu":
+        # CPU: each engine has its own VLLM_CPU_KVCACHE_SPACE; on a GPU the generator's engine may
+        # still hold its memory, and its KV cache rarely bounds a step there
+        schedule["num_gpu_blocks_override"] = engine["num_gpu_blocks"]
     if engine.get("custom_ops") is not None:
         schedule["compilation_config"] = {"custom_ops": engine["custom_ops"]}
     try:
@@ -576,7 +618,12 @@ def _settle(args, result, outputs, model_dir, dtype, layer_ids, seqs_by_case, pl
                        "identical_per_layer": by_layer, "first_differing": first, "non_finite_rows": non_finite,
                        "sequences": len(outputs[name]) == len(ref)}
     ok = all(c["rows"] and c["rows"] == c["identical"] and c["sequences"] for c in cases.values())
+    mine = result.get("generator_schedule") or {}
+    theirs = got.get("schedule") or {}
+    differ = {name: [i for i, (a, b) in enumerate(zip(mine[name], theirs[name])) if [list(x) for x in a] != [list(x) for x in b]]
+              for name in seqs_by_case if name in mine and name in theirs}
     return {"settled": ok and bool(result["cases"]["repeat"]["identical"]), "cases": cases,
+            "schedule_differs": {k: v for k, v in differ.items() if v},  # sequences split otherwise than the generator
             "schedule": got.get("schedule"), "init_s": got.get("init_s"), "seconds": got.get("seconds"),
             "reference": "vLLM's own forward, shim off, scheduled as the generator"}
 
