@@ -37,7 +37,7 @@ def main() -> int:
         rows.append(f"| {v.get('speculators')} | {v.get('vllm')} | {d.get('arch')}{' (' + f.stem.split('_' + d.get('arch', ''), 1)[-1].strip('_') + ')' if f.stem.split('_' + d.get('arch', ''), 1)[-1] else ''} "
                     f"| {d.get('dtype')} | {d.get('reference')} | {verdict} | "
                     f"{'%.2e' % err if err is not None else '—'} | {'%.2e' % worst if worst is not None else '—'} | {repeat} | [{f.name}]({f.name}) |")
-    print(f"Cells at src tree `{head[:7]}` (clean), row-exact (bounds in `testing/reference.py`):\n")
+    print(f"Cells at src tree `{head[:7]}` (clean), row-exact (bounds in `testbed/speculators_compat_testbed/reference.py`):\n")
     print("| speculators | vLLM | arch | dtype | reference | verdict | max rel. err | worst row | repeat identical | file |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
