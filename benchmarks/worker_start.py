@@ -20,8 +20,9 @@ import subprocess
 import sys
 import time
 
-PRELOAD = ["torch", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
-           "speculators.data_generation.custom_worker", "speculators_compat"]
+# the shim first: speculators' import needs it on transformers 5 (a failed preload is silently skipped)
+PRELOAD = ["speculators_compat", "torch", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+           "speculators.data_generation.custom_worker"]
 
 
 def side(name: str, model: str, t_start: float) -> dict:
