@@ -13,7 +13,7 @@
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
 # JOB_SHAPE / JOB_ARGS / JOB_TAG: the job step's model shape, extra arguments (e.g. --fp8-side: the script with FP8
 # storage as a third side) and result-name suffix.
-# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "capture32" (the same at the 8B-like 32-layer shape, 4 layers vs 1, batch 64 and 128), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "capture32" (the same at the 8B-like 32-layer shape, 4 layers vs 1, batch 64 and 128), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "hybrid" (Qwen3.5 / Qwen3-Next tiny e2e cells), "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -136,6 +136,17 @@ fi
 # it explains by a near-tie (rows_explained, explained_rows: seq, layer, row, error, margin,
 # margin_layer) and those it does not (unexplained_rows, with why); "passed" stays False for any
 # unexplained row. See reference.MARGIN_TIE / EXPLAINED_CAP.
+if [[ " $STEPS " == *" hybrid "* ]]; then
+  echo "== Qwen3.5 (released VL layout) and Qwen3-Next tiny: gated delta-net + full attention, 512-token chunks"
+  # the bundle lacks FlashInfer's GDN kernel that vLLM picks on Hopper: Triton's (as the rehearsals ran);
+  # qwen3_next needs the MoE kernels (.gpu-moe/, MOE=1 scripts/gpu_prepare.sh); HYBRID_ARCHS picks
+  export SPECULATORS_COMPAT_ADDITIONAL_CONFIG=${HYBRID_ADDITIONAL_CONFIG-'{"gdn_prefill_backend": "triton"}'}
+  for a in ${HYBRID_ARCHS:-qwen3_5}; do
+    cell 0.3.0 "$a" --dtype bfloat16 --max-num-batched-tokens 512 & p1=$!
+    cell 0.4.0.1 "$a" --dtype bfloat16 --max-num-batched-tokens 512 & p2=$!; wait $p1 $p2
+  done
+  unset SPECULATORS_COMPAT_ADDITIONAL_CONFIG
+fi
 if [[ " $STEPS " == *" mla "* ]] && [ "${SITE_READY:-1}" = 1 ]; then
   echo "== DeepSeek-V3 tiny on the real MLA path"
   export SPECULATORS_COMPAT_ATTENTION_BACKEND=${MLA_BACKEND:-TRITON_MLA}
