@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -99,16 +100,12 @@ def main() -> int:
         reps.append({s: run_side(s, model, args.timeout) for s in order})
         print(json.dumps({k: v.get("marks_s") or v.get("error") for k, v in reps[-1].items()}), flush=True)
 
-    def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
     summary = {}
     for s in ("spawn", "forkserver"):
         ok = [rep[s]["marks_s"] for rep in reps if "marks_s" in rep[s]]
-        summary[s] = {k: med([m[k] for m in ok]) for k in (ok[0] if ok else {})}
+        summary[s] = {k: statistics.median([m[k] for m in ok]) for k in (ok[0] if ok else {})}
         summary[s]["runs"] = len(ok)
-        summary[s]["generator_build_s"] = med([m["generator"] - m["imports"] for m in ok]) if ok else None
+        summary[s]["generator_build_s"] = statistics.median([m["generator"] - m["imports"] for m in ok]) if ok else None
     hashes = {rep[s].get("states_sha256") for rep in reps for s in rep} | {w.get("states_sha256") for w in warm.values()}
     summary["same_states_every_run"] = len(hashes) == 1 and None not in hashes
     if summary["spawn"].get("first_batch") and summary["forkserver"].get("first_batch"):

@@ -304,15 +304,16 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
     if tp < 1:
         raise CannotRehearse(f"--tensor-parallel-size: expected a positive integer; found {tp}")
     # the shrunk model has 4 heads, 2 GDN key heads: TP 2 at most; on a CPU one rank per core group
-    devices = gpus or len(_cpus())
+    cpus = _cpus()
+    devices = gpus or len(cpus)
     tp_run = max(d for d in (1, 2) if d <= max(1, min(tp, devices)))
     if tp_run != tp:
         p["notes"].append(f"tensor-parallel-size {tp} rehearsed at {tp_run} ({f'{gpus} GPUs' if gpus else f'{devices} CPUs'}"
                           f" here; the shrunk model has {shrink_mod.HEADS} heads): sharding at TP {tp} is not covered")
         tp = tp_run
-    env = dict(os.environ)
-    if not gpus and tp > 1 and not env.get("VLLM_CPU_OMP_THREADS_BIND"):
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(_cpus(), tp)  # "auto" wants one NUMA node per rank
+    # CPU vLLM's "auto" binding wants one NUMA node per rank: a core group each, unless the user set one
+    bind = (os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_bind(cpus, tp)) if not gpus and tp > 1 else None
+    env = dict(os.environ, **({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}))
     s = p["shrunk"]
     moe = any(s.text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
     run_dtype = dtype
@@ -342,7 +343,7 @@ def rehearse(model: str | Path, *, layer_ids=None, tensor_parallel_size: int = 1
         "architectures": p["config"].get("architectures"), "published_layers": s.layers,
         "shrunk_layers": s.text["num_hidden_layers"], "layer_ids": p["layer_ids"],
         "shrunk_layer_ids": p["shrunk_layer_ids"], "tensor_parallel_size": tp,
-        "tensor_parallel_size_asked": tensor_parallel_size, "cpu_bind": env.get("VLLM_CPU_OMP_THREADS_BIND") if not gpus and tp > 1 else None,
+        "tensor_parallel_size_asked": tensor_parallel_size, "cpu_bind": bind,
         "dtype": run_dtype,
         "max_model_len": p["max_model_len"], "shrink": s.changes, "notes": p["notes"],
     }
