@@ -76,6 +76,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("SPECULATORS_COMPAT_SELF_CHECK_ROWS", "number", 16.0,
                 "rows per sampled step that every generate() call checks against the engine's own token ids, "
                 "positions, layer outputs and final norm (a mismatch fails the call; 0: off)", minimum=-1),
+        Setting("SPECULATORS_COMPAT_SELF_CHECK_BUDGET", "number", 0.005,
+                "share of the calls' time the row self-check may take: the first call is checked, later ones "
+                "while the checks so far (their timed work, doubled) stay within it (1: every call)", minimum=0),
         Setting("SPECULATORS_COMPAT_DTYPE", "text", None,
                 "the generator engine's dtype (`float32`, `bfloat16`, `float16`; default: speculators' `auto`)"),
         Setting("SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "number", 0.0,

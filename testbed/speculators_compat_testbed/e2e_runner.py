@@ -153,6 +153,8 @@ def _prepare_process(args) -> tuple[str, str, str | None]:
     for key, value in tiny_models.vllm_env(args.arch, platform).items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the test bed checks every call (the default budget samples calls by their cost)
+    os.environ.setdefault("SPECULATORS_COMPAT_SELF_CHECK_BUDGET", "1")
 
     import speculators_compat  # noqa: F401 - activates (unless disabled)
 

@@ -165,3 +165,20 @@ def test_a_block_outside_the_workers_chunks_is_refused_at_begin(tmp_path, where,
                           live_chunks=tuple(sorted(pool.chunks)), layers=1, hidden=HIDDEN, pin=False,
                           dtype="bfloat16", check_rows=0, placements={"r0": ([block], 5)}))
     assert not state.active
+
+
+def test_positions_and_token_ids_beyond_float32s_exact_range_are_read_exactly():
+    """The report's one transfer back holds token ids and positions: past 2**24 a float32 would
+    round 2**24 + 1 to 2**24 and report a correct row "at another position"."""
+    from speculators_compat.extraction.selfcheck import RowCheck, _Sample
+
+    far = 2**24 + 1
+    check = RowCheck(2)
+    sample = _Sample([("r0", far)], [0])
+    sample.pos = torch.tensor([far])
+    sample.ids = torch.tensor([far + 2])
+    check.samples.append(sample)
+    rep = check.report(lambda keys: None, {}, None, None, {})
+    assert rep["positions_bad"] == [] and rep["tokens"] == [("r0", far, far + 2)], rep
+    sample.pos = torch.tensor([far - 1])  # and a wrong one is still seen
+    assert check.report(lambda keys: None, {}, None, None, {})["positions_bad"] == [("r0", far, far - 1)]

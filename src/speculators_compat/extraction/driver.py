@@ -97,6 +97,9 @@ def _generate(self, token_ids):
     lengths = {rid: len(ids) for rid, ids in zip(req_ids, seqs)}
     row_bytes = hidden * itemsize
 
+    check_rows = int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_ROWS"))
+    checking = check_rows <= 0 or selfcheck.due(getattr(self, CHECK_ATTR, None),
+                                                settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_BUDGET"))
     pool = getattr(self, POOL_ATTR, None)
     if pool is None:
         pool = ExchangePool()
@@ -120,9 +123,22 @@ def _generate(self, token_ids):
         hidden=hidden,
         dtype=str(dtype).replace("torch.", ""),
         pin=settings.flag("SPECULATORS_COMPAT_PIN"),
-        check_rows=int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_ROWS")),
+        check_rows=check_rows if checking else 0,
     )
-    handed = set()
+    handed: set = set()
+    prebuilt: dict = {}  # {req_id: [tensor per layer slot]}, made while the first batch computes
+
+    def build_states():
+        # a tensor per block (~7 us each): 512 of them at batch 128 x 4 layers, off the critical path
+        for rid in req_ids:
+            n = lengths[rid]
+            states = []
+            for k in range(nlayers):
+                view = pool.lease_view(placements[(rid, k)], n * row_bytes)
+                handed.add((rid, k))
+                states.append(torch.frombuffer(view, dtype=dtype).view(n, hidden))
+            prebuilt[rid] = states
+
     try:
         rpc(self.executor, protocol.BEGIN, begin)
         timings["begin"] = time.perf_counter() - mark
@@ -132,7 +148,8 @@ def _generate(self, token_ids):
         mark = time.perf_counter()
         depth = steps.pipeline_depth(self.executor)
         timings["driver"] = f"pipelined({depth})" if depth > 1 else "serial"
-        computed, iterations = steps.drive(self.executor, self.scheduler, req_ids, timings, depth, rpc_timeout())
+        computed, iterations = steps.drive(self.executor, self.scheduler, req_ids, timings, depth, rpc_timeout(),
+                                           idle=build_states)
         timings["steps"] = time.perf_counter() - mark
         mark = time.perf_counter()
         finished = [r for r in rpc(self.executor, protocol.FINISH) if r]
@@ -144,18 +161,17 @@ def _generate(self, token_ids):
         log.debug(f"Extraction took {iterations} scheduler iterations in {timings['steps']:.3f}s")
         mark = time.perf_counter()
         _verify(req_ids, lengths, computed, counts, nlayers)
-        checked = selfcheck.judge([r["check"] for r in finished], dict(zip(req_ids, seqs)), layer_ids)
-        _tally(self, checked)
+        checked = None
+        if checking:  # else a call the budget leaves out (its workers sampled nothing)
+            checked = selfcheck.judge([r["check"] for r in finished], dict(zip(req_ids, seqs)), layer_ids)
         timings["judge"] = time.perf_counter() - mark
         mark = time.perf_counter()
+        if not prebuilt:
+            build_states()
         results = []
         for i, rid in enumerate(req_ids):
             n = lengths[rid]
-            states = []
-            for k in range(nlayers):
-                view = pool.lease_view(placements[(rid, k)], n * row_bytes)
-                handed.add((rid, k))
-                states.append(torch.frombuffer(view, dtype=dtype).view(n, hidden))
+            states = prebuilt.pop(rid)
             if len(requested) != nlayers:  # a repeated id: its layer's tensor again
                 states = [states[slot[lid]] for lid in requested]
             ids_tensor = id_tensors[i] if id_tensors is not None else torch.as_tensor(seqs[i], dtype=torch.long)
@@ -165,17 +181,28 @@ def _generate(self, token_ids):
     except BaseException as exc:
         unhanded = {key: p for key, p in placements.items() if key not in handed}
         _recover(self, req_ids, exc, pool, unhanded, new_chunks)
+        prebuilt.clear()  # their blocks return to the pool as these tensors go (after the fence above)
         raise
     timings["results"] = time.perf_counter() - mark
     timings["iterations"] = iterations
     setattr(self, TIMINGS_ATTR, timings)
+    check_s = sum(timings[f"check_{part}"] for part in ("gather", "device", "transfer")) + timings["judge"]
+    _tally(self, checked, time.perf_counter() - started, check_s)
     return results
 
 
-def _tally(self, checked: dict) -> None:
-    """Add one call's self-check to the generator's tally (``CHECK_ATTR``)."""
-    tally = getattr(self, CHECK_ATTR, None) or {"calls": 0}
+def _tally(self, checked: dict | None, call_s: float, check_s: float) -> None:
+    """Add one call to the generator's self-check tally (``CHECK_ATTR``): every call's time, and
+    the checked calls' results and timed work (what ``selfcheck.due`` weighs)."""
+    tally = getattr(self, CHECK_ATTR, None) or {"calls": 0, "checked_calls": 0, "call_s": 0.0, "check_s": 0.0}
     tally["calls"] += 1
+    tally["call_s"] += call_s
+    if checked is None:
+        setattr(self, CHECK_ATTR, tally)
+        return
+    if checked.get("rows"):  # a call with the check off (ROWS=0) is not a checked call
+        tally["checked_calls"] += 1
+        tally["check_s"] += check_s
     for key, value in checked.items():
         if key == "final_max_rel_error":
             tally[key] = max(tally.get(key, 0.0), value)

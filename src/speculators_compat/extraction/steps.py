@@ -129,8 +129,9 @@ def complete(executor, scheduler, batch: Batch, clock) -> None:
     clock["update_from_output"] += time.perf_counter() - t1
 
 
-def drive(executor, scheduler, req_ids, clock, depth: int, timeout: float):
-    """Step until every request finished: ({req_id: tokens computed}, steps)."""
+def drive(executor, scheduler, req_ids, clock, depth: int, timeout: float, idle=None):
+    """Step until every request finished: ({req_id: tokens computed}, steps). With futures,
+    ``idle()`` runs once while the first batch computes (host work that needs no result)."""
     futures = depth > 1
     computed = dict.fromkeys(req_ids, 0)
     iterations = 0
@@ -154,6 +155,11 @@ def drive(executor, scheduler, req_ids, clock, depth: int, timeout: float):
             if scheduler.has_unfinished_requests():
                 raise stuck(scheduler)
             break
+        if idle is not None and futures:
+            t0 = time.perf_counter()
+            idle()
+            idle = None
+            clock["idle"] = time.perf_counter() - t0
         complete(executor, scheduler, inflight.popleft(), clock)
     deliver_finished(executor, scheduler, clock, timeout, futures)
     return computed, iterations

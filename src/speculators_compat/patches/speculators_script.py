@@ -346,8 +346,10 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     engine = getattr(generator, CHECK_ATTR, None)
     if engine:
         manifest.append({"self_check": dict(engine, kind="engine", batch="all", verdict="pass")})
-        log.info(f"speculators_compat self-check: {engine.get('rows', 0)} sampled rows of {engine['calls']} call(s) "
-                 f"match the engine's own token ids, positions and layer outputs"
+        checked = engine.get("checked_calls", engine["calls"])
+        log.info(f"speculators_compat self-check: {engine.get('rows', 0)} sampled rows in {checked} of "
+                 f"{engine['calls']} call(s) (SPECULATORS_COMPAT_SELF_CHECK_BUDGET) match the engine's own "
+                 "token ids, positions and layer outputs"
                  + (f"; final norm largest error {engine['final_max_rel_error']:.3g}" if engine.get("final_rows") else "")
                  + (f"; not covered: {', '.join(engine['not_covered'])}" if engine.get("not_covered") else ""))
     worst = output.fp8_worst(manifest.files.values()) if store else None
