@@ -211,6 +211,14 @@ def main() -> int:
         help="also time the same generator with its self-check off (SPECULATORS_COMPAT_SELF_CHECK_ROWS=0 for "
         "those calls): shim / shim_nocheck is what the self-check costs (no second engine)",
     )
+    p.add_argument(
+        "--settle-calls",
+        type=int,
+        default=0,
+        help="with --self-check-control: this many untimed calls with the check on before the reps, so "
+        "SPECULATORS_COMPAT_SELF_CHECK_BUDGET reaches a long job's steady state (the first check's one-time "
+        "cost amortised); the calls checked during the reps are recorded",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -330,6 +338,11 @@ def main() -> int:
             gen.generate(prompts)
             warmup_s["shim_nocheck"] = time.perf_counter() - t
             del os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"]
+            t = time.perf_counter()
+            for _ in range(args.settle_calls):  # the budget's steady state, apart from the reps
+                gen.generate(prompts)
+            warmup_s["settle"] = time.perf_counter() - t
+        tally_before = dict(getattr(gen, "_speculators_compat_self_check", None) or {})
 
         def run_shim():
             t = time.perf_counter()
@@ -423,6 +436,9 @@ def main() -> int:
             row["self_check_cost_max"] = max(cost)
             row["self_check_cost_median_ci95"] = median_ci95(cost)
             row["self_check_tally"] = getattr(gen, "_speculators_compat_self_check", None)
+            after = row["self_check_tally"] or {}
+            row["settle_calls"] = args.settle_calls
+            row["checked_calls_during_reps"] = after.get("checked_calls", 0) - tally_before.get("checked_calls", 0)
             row["shim_nocheck_phase_s"] = nocheck_phases  # per repetition, paired with shim_phase_s
             row["shim_nocheck_phase_median_s"] = _phase_medians(nocheck_phases)  # where the self-check's time goes (vs shim_phase_median_s)
         if extract_s:
