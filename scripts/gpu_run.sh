@@ -225,7 +225,7 @@ fi
 if [[ " $STEPS " == *" selfcheck "* ]]; then
   echo "== the self-check's cost at an 8B-like shape (hidden 4096 x 32 layers, 4 captured): same generator, check on vs off, alternating"
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/throughput.py --hidden 4096 --layers 32 \
-    --capture 2,16,29,31 --batch ${SELFCHECK_BATCH:-64} --prompt-len ${SELFCHECK_LENS:-128 512} --reps ${SELFCHECK_REPS:-11} --max-model-len 2048 --no-native --self-check-control \
+    --capture 2,16,29,31 --batch ${SELFCHECK_BATCH:-64} --prompt-len ${SELFCHECK_LENS:-128 512} --reps ${SELFCHECK_REPS:-11} --max-model-len 2048 --no-native --self-check-control --settle-calls ${SELFCHECK_SETTLE:-0} \
     --gpu-util 0.5 --out "$OUT/throughput_h200_selfcheck.json" > "$OUT/throughput_h200_selfcheck.log" 2>&1; echo "selfcheck bench rc=$?"
 fi
 if [[ " $STEPS " == *" capture "* ]]; then
