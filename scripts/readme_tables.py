@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""README's generated tables: the tested pairs, the patches and the settings, from the code and the matrix.
+"""The generated tables: the tested pairs and the settings (README.md), the patches (docs/PATCHES.md).
 
-Rewrites what lies between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in
-README.md for NAME in tested, patches, settings; the rest of the file is kept byte for byte.
+Rewrites what lies between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in each
+file, from the code and the matrix; the rest of each file is kept byte for byte.
 
-    python3 scripts/readme_tables.py [--check]     # --check: exit 1 if README would change
+    python3 scripts/readme_tables.py [--check]     # --check: exit 1 if a file would change
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# the file each generated table lives in
+FILES = {"tested": README, "settings": README, "patches": ROOT / "docs" / "PATCHES.md"}
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT / "testbed"))
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -58,32 +60,37 @@ def settings_table() -> str:
     return "\n".join(out)
 
 
-def render(text: str) -> str:
+def render(texts: dict[Path, str]) -> dict[Path, str]:
     from speculators_compat.matrix import load_matrix
     from speculators_compat.patches import all_patches
 
     matrix = load_matrix(ROOT / "compat_matrix.yaml", {p.id for p in all_patches()})
     tables = {"tested": tested_table(matrix), "patches": patches_table(matrix), "settings": settings_table()}
+    out = dict(texts)
     for name, body in tables.items():
+        path = FILES[name]
         pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- /generated:{name} -->)", re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"readme_tables: README.md has no <!-- generated:{name} --> block")
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
-    return text
+        if not pattern.search(out[path]):
+            raise SystemExit(f"readme_tables: {path.relative_to(ROOT)} has no <!-- generated:{name} --> block")
+        out[path] = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), out[path])
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    old = README.read_text()
+    old = {path: path.read_text() for path in set(FILES.values())}
     new = render(old)
+    stale = sorted(str(path.relative_to(ROOT)) for path in old if new[path] != old[path])
     if args.check:
-        if new != old:
-            print("readme_tables --check: README's generated tables are out of date (run python3 scripts/readme_tables.py)")
+        if stale:
+            print(f"readme_tables --check: the generated tables of {', '.join(stale)} are out of date "
+                  "(run python3 scripts/readme_tables.py)")
             return 1
         return 0
-    README.write_text(new)
+    for path in stale:
+        path.write_text(new[path])
     return 0
 
 

@@ -68,7 +68,7 @@ def test_no_module_reads_our_variables_directly():
 
 
 def test_readme_generated_tables_are_current():
-    """README's tested / patches / settings tables are scripts/readme_tables.py's output."""
+    """README's tested / settings tables and docs/PATCHES.md's patch table are scripts/readme_tables.py's output."""
     import subprocess
     import sys
 
