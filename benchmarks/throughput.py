@@ -19,6 +19,7 @@ the peak host RSS of this process and its children and (GPU) peak device memory.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -359,6 +360,9 @@ def main() -> int:
             assert len(res) == len(prompts) and len(res[0]["hidden_states"]) == 1
 
         def run_nocheck():
+            # a job has no check-off calls: this arm's calls are kept out of the budget's tally, so
+            # the check-on arm is checked as often as in a job of check-on calls only
+            tally = copy.deepcopy(getattr(gen, "_speculators_compat_self_check", None))
             os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"] = "0"
             try:
                 t = time.perf_counter()
@@ -367,6 +371,7 @@ def main() -> int:
                 nocheck_phases.append(dict(getattr(gen, "_speculators_compat_timings", {}) or {}))
             finally:
                 del os.environ["SPECULATORS_COMPAT_SELF_CHECK_ROWS"]
+                setattr(gen, "_speculators_compat_self_check", tally)
             assert len(res) == len(prompts) and res[0]["hidden_states"][0].shape[0] == plen
 
         def run_native():
@@ -439,6 +444,14 @@ def main() -> int:
             after = row["self_check_tally"] or {}
             row["settle_calls"] = args.settle_calls
             row["checked_calls_during_reps"] = after.get("checked_calls", 0) - tally_before.get("checked_calls", 0)
+            # the check-on arm's calls during the reps, as the budget weighed them (check_s doubled)
+            reps_tally = {k: after.get(k, 0) - tally_before.get(k, 0) for k in ("calls", "checked_calls", "call_s", "check_s")}
+            reps_tally["budgeted_share"] = 2 * reps_tally["check_s"] / reps_tally["call_s"] if reps_tally["call_s"] else None
+            reps_tally["check_s_per_checked_call"] = (reps_tally["check_s"] / reps_tally["checked_calls"]
+                                                      if reps_tally["checked_calls"] else None)
+            row["self_check_budget_during_reps"] = reps_tally
+            row["self_check_budget"] = os.environ.get("SPECULATORS_COMPAT_SELF_CHECK_BUDGET", "default")
+            row["nocheck_calls_in_budget"] = False
             row["shim_nocheck_phase_s"] = nocheck_phases  # per repetition, paired with shim_phase_s
             row["shim_nocheck_phase_median_s"] = _phase_medians(nocheck_phases)  # where the self-check's time goes (vs shim_phase_median_s)
         if extract_s:
