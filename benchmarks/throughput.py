@@ -446,7 +446,10 @@ def main() -> int:
             row["checked_calls_during_reps"] = after.get("checked_calls", 0) - tally_before.get("checked_calls", 0)
             # the check-on arm's calls during the reps, as the budget weighed them (check_s doubled)
             reps_tally = {k: after.get(k, 0) - tally_before.get(k, 0) for k in ("calls", "checked_calls", "call_s", "check_s")}
-            reps_tally["budgeted_share"] = 2 * reps_tally["check_s"] / reps_tally["call_s"] if reps_tally["call_s"] else None
+            from speculators_compat.extraction.selfcheck import UNTIMED_FACTOR
+
+            reps_tally["budgeted_share"] = (UNTIMED_FACTOR * reps_tally["check_s"] / reps_tally["call_s"]
+                                            if reps_tally["call_s"] else None)
             reps_tally["check_s_per_checked_call"] = (reps_tally["check_s"] / reps_tally["checked_calls"]
                                                       if reps_tally["checked_calls"] else None)
             row["self_check_budget_during_reps"] = reps_tally
