@@ -23,7 +23,7 @@ SWEEP_JOBS ?= 1
 SWEEP_ARCHS ?= llama,qwen3
 SWEEP_PAIRS ?=
 
-.PHONY: demo test unit lint bed-tools dev bench sweep train-check dist-check
+.PHONY: demo test unit lint bed-tools dev bench sweep train-check dist-check install-check
 
 bed-tools:
 	@command -v uv >/dev/null 2>&1 || $(PY) -m pip install -q uv
@@ -56,6 +56,11 @@ unit: lint
 # wheel holds no test code
 dist-check: dev
 	.venv/bin/python scripts/check_dist.py
+
+# README's install (CPU variant) in a fresh venv with the runtime wheel only, then README's snippet as
+# written (benchmarks/results/cpu/readme_install_check.json; ~2 min once uv's cache holds the wheels)
+install-check: bed-tools
+	bash scripts/readme_install_check.sh
 
 test: unit
 	@set -e; for pair in $(TEST_PAIRS); do \
