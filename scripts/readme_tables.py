@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The generated tables: the tested pairs and the settings (README.md), the patches (docs/PATCHES.md).
+"""The generated tables: the tested pairs (README.md), the settings (docs/SETTINGS.md), the patches (docs/PATCHES.md).
 
 Rewrites what lies between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in each
 file, from the code and the matrix; the rest of each file is kept byte for byte.
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # the file each generated table lives in
-FILES = {"tested": README, "settings": README, "patches": ROOT / "docs" / "PATCHES.md"}
+FILES = {"tested": README, "settings": ROOT / "docs" / "SETTINGS.md", "patches": ROOT / "docs" / "PATCHES.md"}
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT / "testbed"))
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -82,10 +82,11 @@ def main() -> int:
     args = ap.parse_args()
     old = {path: path.read_text() for path in set(FILES.values())}
     new = render(old)
-    stale = sorted(str(path.relative_to(ROOT)) for path in old if new[path] != old[path])
+    stale = sorted(path for path in old if new[path] != old[path])
     if args.check:
         if stale:
-            print(f"readme_tables --check: the generated tables of {', '.join(stale)} are out of date "
+            names = ", ".join(str(path.relative_to(ROOT)) for path in stale)
+            print(f"readme_tables --check: the generated tables of {names} are out of date "
                   "(run python3 scripts/readme_tables.py)")
             return 1
         return 0

@@ -1,4 +1,4 @@
-"""One settings module: every variable parsed one way, bad values named, README in step."""
+"""One settings module: every variable parsed one way, bad values named, docs/SETTINGS.md in step."""
 
 import re
 from pathlib import Path
@@ -10,6 +10,7 @@ from speculators_compat import settings
 pytestmark = pytest.mark.unit
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+SETTINGS_DOC = README.parent / "docs" / "SETTINGS.md"
 
 
 @pytest.mark.parametrize("raw,expected", [("1", True), ("true", True), ("On", True), ("yes", True),
@@ -44,13 +45,19 @@ def test_bad_values_are_one_line_naming_the_variable(monkeypatch, name, raw, wor
     assert name in message and words in message and "\n" not in message
 
 
-def test_readme_table_lists_exactly_the_settings():
-    text = README.read_text()
+def test_settings_table_lists_exactly_the_settings():
+    text = SETTINGS_DOC.read_text()
     documented = set(re.findall(r"^\| `(SPECULATORS_COMPAT_[A-Z_]+)", text, re.M))
     assert documented == set(settings.SETTINGS), (
-        f"README lacks {sorted(set(settings.SETTINGS) - documented)}; "
-        f"README has unknown {sorted(documented - set(settings.SETTINGS))}"
+        f"docs/SETTINGS.md lacks {sorted(set(settings.SETTINGS) - documented)}; "
+        f"docs/SETTINGS.md has unknown {sorted(documented - set(settings.SETTINGS))}"
     )
+
+
+def test_readme_names_only_real_settings():
+    """README names settings in its prose; each must exist (a renamed one would mislead users)."""
+    named = set(re.findall(r"SPECULATORS_COMPAT_[A-Z_]*[A-Z]", README.read_text()))
+    assert named and named <= set(settings.SETTINGS), sorted(named - set(settings.SETTINGS))
 
 
 def test_no_module_reads_our_variables_directly():
@@ -68,7 +75,7 @@ def test_no_module_reads_our_variables_directly():
 
 
 def test_readme_generated_tables_are_current():
-    """README's tested / settings tables and docs/PATCHES.md's patch table are scripts/readme_tables.py's output."""
+    """README's tested table, docs/SETTINGS.md's settings and docs/PATCHES.md's patches are scripts/readme_tables.py's output."""
     import subprocess
     import sys
 
