@@ -22,6 +22,7 @@ from .layers import ADAPTERS, adapter_for
 from .patches._signatures import GENERATOR, WORKER, first_binding, import_attr, require_params
 from .patches.speculators_script import CONFIG_GENERATOR, PREPROCESSING
 from .registry import Call
+from .versions import vllm_platform
 
 EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
 
@@ -356,17 +357,16 @@ def _run_check() -> tuple[int, dict]:
             findings.append(Finding("patch", rec["id"], "ok" if status == "applied" else "skipped", rec["reason"]))
     findings.extend(ranged_out_findings(reg, statuses, versions))
     findings.extend(cpu_attention_findings(statuses))
-    rows = matrix.tested_status(versions["speculators"], versions["vllm"])
+    platform = vllm_platform(reg.versions["vllm"])
+    rows = matrix.tested_status(versions["speculators"], versions["vllm"], platform)
     verified = any(r.status == "verified" for r in rows)
     broken = any(r.status == "broken" for r in rows)
-    findings.append(
-        Finding(
-            "versions",
-            "tested-table",
-            "ok" if verified and not broken else "untested",
-            "; ".join(f"{r.platform}: {r.status} ({r.evidence})" for r in rows) or "pair not in the tested table",
-        )
+    elsewhere = [r for r in matrix.tested_status(versions["speculators"], versions["vllm"]) if r not in rows]
+    detail = "; ".join(f"{r.platform}: {r.status} ({r.evidence})" for r in rows) or (
+        f"pair not in the tested table for this vLLM build ({platform})"
+        + ("; only on " + ", ".join(f"{r.platform} ({r.status})" for r in elsewhere) if elsewhere else "")
     )
+    findings.append(Finding("versions", "tested-table", "ok" if verified and not broken else "untested", detail))
     out["seconds"] = time.perf_counter() - started
     return verdict(findings, verified, broken), out
 

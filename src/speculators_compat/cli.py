@@ -40,6 +40,7 @@ def _import_targets() -> list[str]:
 def cmd_report(args) -> int:
     import speculators_compat
     from .matrix import MatrixError
+    from .versions import vllm_platform
 
     reg = speculators_compat.get_registry()
     versions = reg.versions
@@ -62,7 +63,8 @@ def cmd_report(args) -> int:
         "matrix_error": matrix_error,
         "import_errors": errors,
         "tested": (
-            [r.__dict__ for r in matrix.tested_status(versions["speculators"].version, versions["vllm"].version)]
+            [r.__dict__ for r in matrix.tested_status(versions["speculators"].version, versions["vllm"].version,
+                                                      vllm_platform(versions["vllm"]))]
             if matrix
             else []
         ),
@@ -91,8 +93,8 @@ def cmd_report(args) -> int:
             status, reason = ("not needed", gate) if gate and gate != "in range" else (status, f"pending ({gate or 'gate unknown'})")
         print(f"{r['id']:<{width}}  {r['family']:<18} {status:<10} {reason}")
     print()
-    for row in out["tested"] or [{"platform": "-", "status": "not in the tested table" if matrix else "unknown (no matrix)",
-                                  "evidence": ""}]:
+    for row in out["tested"] or [{"platform": vllm_platform(versions["vllm"]) or "-",
+                                  "status": "not in the tested table" if matrix else "unknown (no matrix)", "evidence": ""}]:
         print(f"this pair, {row['platform']}: {row['status']} {row['evidence']}".rstrip())
     if errors == [] and args.import_targets:
         from .check import cpu_attention_findings
@@ -175,7 +177,7 @@ def cmd_rehearse(args) -> int:
     try:
         from speculators_compat_testbed import rehearsal
     except ImportError as exc:
-        return _cannot("check", ImportError(f"check --model needs the test bed (pip install speculators-compat-testing): {exc}"))
+        return _cannot("check", ImportError(f"check --model needs the test bed (from a checkout: pip install ./testbed): {exc}"))
     try:
         ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
     except ValueError:

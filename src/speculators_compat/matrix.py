@@ -148,8 +148,11 @@ class Matrix:
                 return why
         return None
 
-    def tested_status(self, speculators_version: str | None, vllm_version: str | None) -> list[TestedPair]:
-        """Rows of the tested table for this (speculators, vLLM) pair (releases compared)."""
+    def tested_status(
+        self, speculators_version: str | None, vllm_version: str | None, platform: str | None = None
+    ) -> list[TestedPair]:
+        """Rows of the tested table for this (speculators, vLLM) pair (releases compared); with
+        ``platform`` (``versions.vllm_platform``), only the rows that ran on that platform."""
         if not speculators_version or not vllm_version:
             return []
         try:
@@ -160,6 +163,7 @@ class Matrix:
             row
             for row in self.tested
             if normalize(row.speculators) == s and normalize(row.vllm) == v
+            and (platform is None or row.platform == platform)
         ]
 
     def newest_tested_vllm(self) -> Version | None:

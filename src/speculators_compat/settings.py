@@ -74,7 +74,7 @@ SETTINGS: dict[str, Setting] = {
                 "speculators' script under `run`: sample 0 joins every Nth batch again and its rows must "
                 "match its first capture (the run stops if not; 0: off)", minimum=-1),
         Setting("SPECULATORS_COMPAT_SELF_CHECK_ROWS", "number", 16.0,
-                "rows per sampled step that every generate() call checks against the engine's own token ids, "
+                "rows per sampled step that a checked generate() call (which ones: the budget below) compares with the engine's own token ids, "
                 "positions, layer outputs and final norm (a mismatch fails the call; 0: off)", minimum=-1),
         Setting("SPECULATORS_COMPAT_SELF_CHECK_BUDGET", "number", 0.005,
                 "share of the calls' time the row self-check may take: the first call is checked, later ones "

