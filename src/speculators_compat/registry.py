@@ -383,10 +383,13 @@ class Registry:
         spec, vllm = v.get("speculators"), v.get("vllm")
         if spec is None or vllm is None:
             return None
-        rows = self.matrix.tested_status(spec, vllm)
+        from .versions import vllm_platform
+
+        platform = vllm_platform(self.versions["vllm"])
+        rows = self.matrix.tested_status(spec, vllm, platform)
         if not rows or all(r.status == "untested" for r in rows):
             return (
-                f"speculators {spec} with vLLM {vllm} is not in the tested table of {self.matrix.path}; "
+                f"speculators {spec} with vLLM {vllm} ({platform}) is not in the tested table of {self.matrix.path}; "
                 "patches are applied where their probes pass (run `speculators-compat check`)"
             )
         if any(r.status == "broken" for r in rows):

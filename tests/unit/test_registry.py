@@ -12,6 +12,7 @@ import wrapt
 from _helpers import installed, make_registry
 
 from speculators_compat.registry import MISSING, Patch, PatchConflict, PatchError, wrapper_patch
+from speculators_compat.versions import Installed
 
 pytestmark = pytest.mark.unit
 
@@ -548,7 +549,7 @@ def test_untested_combination_warns_once(fake_modules, caplog):
     found = _table_warnings(caplog)
     assert len(found) == 1
     assert found[0].getMessage() == (
-        "speculators 0.4.1 with vLLM 0.13.0 is not in the tested table of fake_matrix.yaml; "
+        "speculators 0.4.1 with vLLM 0.13.0 (cpu) is not in the tested table of fake_matrix.yaml; "
         "patches are applied where their probes pass (run `speculators-compat check`)"
     )
     assert status(reg, "pa").status == "applied" and status(reg, "pb").status == "applied"
@@ -574,6 +575,23 @@ def test_verified_combination_does_not_warn(fake_modules, caplog):
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def test_a_pair_verified_on_cpu_only_is_untested_for_a_cuda_build(fake_modules, caplog):
+    """The matrix verifies 0.12.0 on cpu; PyPI's vllm (a CUDA build) of the same release is untested:
+    a warning, and in strict mode a refusal."""
+    cuda = {**installed(), "vllm": Installed("vllm", "vllm", "0.12.0")}
+    name = fake_modules.write(SOURCE)
+    p, builds = counted_patch("p1", name)
+    reg = make_registry([p], versions=cuda)
+    reg.configure(strict=True, selection=None)
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PatchError) as info:
+            importlib.import_module(name)
+    assert "speculators 0.4.1 with vLLM 0.12.0 (cuda) is not in the tested table" in str(info.value)
+    assert builds == []
+
+
 def test_untested_combination_raises_in_strict_mode(fake_modules):
     name = fake_modules.write(SOURCE)
     p, builds = counted_patch("p1", name)
@@ -584,7 +602,7 @@ def test_untested_combination_raises_in_strict_mode(fake_modules):
         warnings.simplefilter("ignore")
         with pytest.raises(PatchError) as info:
             importlib.import_module(name)
-    assert "strict mode: speculators 0.4.1 with vLLM 0.13.0 is not in the tested table" in str(info.value)
+    assert "strict mode: speculators 0.4.1 with vLLM 0.13.0 (cpu) is not in the tested table" in str(info.value)
     assert builds == []
     assert status(reg, "p1").status == "failed"
 
