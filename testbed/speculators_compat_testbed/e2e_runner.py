@@ -61,12 +61,13 @@ def _shim_active() -> bool:
 def _engine_setting(setting: str, keyword: str, name: str, value) -> str:
     """Give the generator's engine ``keyword=value``: through the shim's ``setting`` (its patch of
     ``name`` in speculators' module reads it); with the shim disabled (a native control run),
-    by wrapping ``name`` there (nothing else owns it then). Returns how."""
+    by wrapping ``name`` there (nothing else owns it then). Returns how. The module is imported
+    first: the shim activates on that import, so whether it is active is known only after it."""
     os.environ[setting] = str(value)
-    if _shim_active():
-        return setting
     from speculators.data_generation import vllm_hidden_states_generator as gen
 
+    if _shim_active():
+        return setting
     original = getattr(gen, name)
 
     def with_value(*args, **kwargs):

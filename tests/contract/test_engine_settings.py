@@ -84,3 +84,31 @@ def test_a_bad_additional_config_is_one_line(monkeypatch, raw, words):
     with pytest.raises(SettingError, match="SPECULATORS_COMPAT_ADDITIONAL_CONFIG=") as info:
         _config(monkeypatch, SPECULATORS_COMPAT_ADDITIONAL_CONFIG=raw)
     assert words in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_the_harness_forces_the_dtype_through_the_shim_before_speculators_is_imported(tmp_path):
+    """The e2e harness asks for a dtype before speculators is imported, while the shim is still
+    lazy (it activates on that import). It must pass the dtype through engine-dtype, not wrap
+    ModelConfig over the patch: that left engine-dtype "applied, then lost" in every forced-dtype
+    cell (the hybrid H100 cells), which the tested table rightly refuses to count."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "import speculators_compat\n"
+        "from speculators_compat_testbed import e2e_runner\n"
+        f"assert {GENERATOR!r} not in sys.modules\n"
+        "via = e2e_runner._force_engine_dtype('bfloat16')\n"
+        "status = {s.id: s.as_dict() for s in speculators_compat.get_registry().statuses()}['engine-dtype']\n"
+        "print(json.dumps({'via': via, 'status': status['status'], 'reason': status['reason']}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SPECULATORS_COMPAT_DTYPE"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["via"] == "SPECULATORS_COMPAT_DTYPE", found
+    assert found["status"] == "applied", found
