@@ -241,7 +241,7 @@ class Cell:
             records += list(worker.get("patches") or [])
         failed = sorted({str(p.get("id")) for p in records if isinstance(p, dict) and p.get("status") == "failed"})
         if failed and not self.data.get("unpatched"):
-            out.append(f"patch(es) failed their probe: {', '.join(failed)}")
+            out.append(f"patch(es) failed (probe, or applied then lost): {', '.join(failed)}")
         if self.data.get("passed") is not True:
             out.append("runner verdict: passed is not true")
         return out
@@ -299,7 +299,8 @@ class Cell:
             rows = sum(c["rows"] for c in cases.values())  # --settle: the second reference agreed in every row
             return _one_line(f"differs from {ref}; every one of {rows:,} rows bit-identical to vLLM's own "
                              "forward scheduled as the generator (engine numerics, settled)", limit)
-        return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if self.failures else "; ".join(bad), limit)
+        rows_wrong = any(str(f).startswith(tuple(f"{name}:" for name in (*CASES, "repeat"))) for f in self.failures)
+        return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if rows_wrong else "; ".join(bad), limit)
 
     def error_type(self) -> str:
         if self.error:

@@ -133,6 +133,17 @@ def test_a_settled_variant_is_named_settled_and_an_unsettled_one_a_mismatch():
         assert line.startswith("mismatch vs HF (chunked"), line
 
 
+def test_a_cell_whose_rows_pass_but_a_patch_was_lost_is_not_called_a_mismatch():
+    """Rows right, a patch record failed (the H100 hybrid cells: engine-dtype applied, then lost):
+    not counted, and the line names the patch, not a row mismatch."""
+    data = good("qwen3_5")
+    data["patches"] = [{"id": "engine-dtype", "status": "failed", "reason": "applied, then lost"}]
+    cell = ut.Cell(Path("e2e_spec-0.4.0.1_qwen3_5.json"), data)
+    line = cell.error_line(200)
+    assert not cell.passed, line
+    assert line == "patch(es) failed (probe, or applied then lost): engine-dtype", line
+
+
 def test_committed_table_agrees_with_committed_results():
     """`update_tested.py --check` on this checkout (also run by `make unit`)."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "update_tested.py"), "--check"],
