@@ -203,14 +203,8 @@ class Cell:
                 out.append(f"{name}: {len(lout)} outputs for {len(lin)} inputs, lengths {lout} vs expected {expected}")
         return out
 
-    def _failures(self) -> list[str]:
-        """The run's own verdict (as recorded; never re-judged)."""
-        if self.error:
-            msg = str(self.error.get("message") or "").strip()
-            first = msg.splitlines()[0] if msg else ""
-            return [f"{self.error.get('type')}: {first}" if first else str(self.error.get("type"))]
-        if self.unpatched:
-            return [] if self.data.get("passed") else ["did not pass"]
+    def _row_failures(self) -> list[str]:
+        """The captured rows' part of the run's verdict: each case that failed, a repeat that differed."""
         out = []
         cases = self.data.get("cases") or {}
         for name in CASES:
@@ -228,6 +222,17 @@ class Cell:
         rep = cases.get("repeat")
         if isinstance(rep, dict) and not rep.get("identical"):
             out.append("repeat: not bit-identical")
+        return out
+
+    def _failures(self) -> list[str]:
+        """The run's own verdict (as recorded; never re-judged)."""
+        if self.error:
+            msg = str(self.error.get("message") or "").strip()
+            first = msg.splitlines()[0] if msg else ""
+            return [f"{self.error.get('type')}: {first}" if first else str(self.error.get("type"))]
+        if self.unpatched:
+            return [] if self.data.get("passed") else ["did not pass"]
+        out = self._row_failures()
         worker = self.data.get("worker")
         wp = {p.get("id"): p.get("status") for p in (worker or {}).get("patches") or [] if isinstance(p, dict)} \
             if isinstance(worker, dict) else {}
@@ -299,7 +304,7 @@ class Cell:
             rows = sum(c["rows"] for c in cases.values())  # --settle: the second reference agreed in every row
             return _one_line(f"differs from {ref}; every one of {rows:,} rows bit-identical to vLLM's own "
                              "forward scheduled as the generator (engine numerics, settled)", limit)
-        rows_wrong = any(str(f).startswith(tuple(f"{name}:" for name in (*CASES, "repeat"))) for f in self.failures)
+        rows_wrong = not self.unpatched and self._row_failures()
         return _one_line(f"mismatch vs {ref} (" + "; ".join(bad) + ")" if rows_wrong else "; ".join(bad), limit)
 
     def error_type(self) -> str:
