@@ -2,6 +2,10 @@
 hand-built VllmConfig (speculators hard-codes dtype "auto" and, in 0.3.0, the token budget)."""
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,11 +95,6 @@ def test_the_harness_forces_the_dtype_through_the_shim_before_speculators_is_imp
     lazy (it activates on that import). It must pass the dtype through engine-dtype, not wrap
     ModelConfig over the patch: that left engine-dtype "applied, then lost" in every forced-dtype
     cell (the hybrid H100 cells), which the tested table rightly refuses to count."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import json, sys\n"
         "import speculators_compat\n"
