@@ -183,6 +183,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--reps-at",
+        nargs="+",
+        default=[],
+        metavar="LEN=N",
+        help="repetitions for one prompt length instead of --reps (e.g. 128=41 256=31: short prompts are "
+        "cheap and noisy, so more of them narrow the ratios' CI at little cost)",
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True)
@@ -222,6 +230,12 @@ def main() -> int:
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    try:
+        reps_at = {int(k): int(v) for k, v in (x.split("=", 1) for x in args.reps_at)}
+    except ValueError:
+        p.error(f"--reps-at expects LEN=N pairs of integers; found {args.reps_at}")
+    if any(n < 1 for n in reps_at.values()) or args.reps < 1:
+        p.error("repetitions must be at least 1")
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # the generator spawns its workers only while it is built; the vllm.LLM engines built after it in
@@ -390,7 +404,7 @@ def main() -> int:
         sides += [("vllm_extract", run_extract)] if xllm is not None else []
         sides += [("shim_1layer", run_shim1)] if gen1 is not None else []
         sides += [("shim_nocheck", run_nocheck)] if args.self_check_control else []
-        for r in range(args.reps):
+        for r in range(reps_at.get(plen, args.reps)):
             k = r % len(sides)
             order = sides[k:] + sides[:k]  # rotate: each side leads in turn
             orders.append([name for name, _ in order])
@@ -405,6 +419,7 @@ def main() -> int:
             "warmup_tok_s": {k: tokens / v for k, v in warmup_s.items()},
             "prompt_len": plen,
             "batch": args.batch,
+            "reps": len(shim_s),
             "tokens": tokens,
             "shim_tok_s": [tokens / s for s in shim_s],
             "shim_median_tok_s": tokens / statistics.median(shim_s),

@@ -225,7 +225,7 @@ fi
 if [[ " $STEPS " == *" selfcheck "* ]]; then
   echo "== the self-check's cost at an 8B-like shape (hidden 4096 x 32 layers, 4 captured): same generator, check on vs off, alternating"
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/throughput.py --hidden 4096 --layers 32 \
-    --capture 2,16,29,31 --batch ${SELFCHECK_BATCH:-64} --prompt-len ${SELFCHECK_LENS:-128 512} --reps ${SELFCHECK_REPS:-11} --max-model-len 2048 --no-native --self-check-control --settle-calls ${SELFCHECK_SETTLE:-0} \
+    --capture 2,16,29,31 --batch ${SELFCHECK_BATCH:-64} --prompt-len ${SELFCHECK_LENS:-128 512} --reps ${SELFCHECK_REPS:-11} ${SELFCHECK_REPS_AT:+--reps-at $SELFCHECK_REPS_AT} --max-model-len 2048 --no-native --self-check-control --settle-calls ${SELFCHECK_SETTLE:-0} \
     --gpu-util 0.5 --out "$OUT/throughput_h200_selfcheck.json" > "$OUT/throughput_h200_selfcheck.log" 2>&1; echo "selfcheck bench rc=$?"
 fi
 if [[ " $STEPS " == *" capture "* ]]; then
@@ -235,12 +235,13 @@ if [[ " $STEPS " == *" capture "* ]]; then
     > "$OUT/throughput_h200_h4096_capture${CAPTURE_TAG:-}.log" 2>&1; echo "capture bench rc=$?"
 fi
 if [[ " $STEPS " == *" capture32 "* ]]; then
+  # CAPTURE_REPS_AT / SELFCHECK_REPS_AT: repetitions per prompt length, e.g. "128=41 256=31" (throughput.py --reps-at)
   # CAPTURE_CHECK_ROWS: the self-check's rows in both arms (default 0: off, so the ratio is the capture
   # alone; the self-check's own cost is the "selfcheck" step's)
   echo "== capture cost at the 8B-like shape (hidden 4096 x 32 layers): 4 layers [2,16,29,31] vs the 1-layer control [31], shim only, per batch, self-check rows ${CAPTURE_CHECK_ROWS:-0}"
   for b in ${CAPTURE_BATCHES:-64 128}; do
     SPECULATORS_COMPAT_SELF_CHECK_ROWS=${CAPTURE_CHECK_ROWS:-0} SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/throughput.py --hidden 4096 --layers 32 \
-      --capture 2,16,29,31 --batch $b --prompt-len ${CAPTURE_LENS:-128 256 512 1024} --reps ${CAPTURE_REPS:-15} --max-model-len 2048 --no-native --capture-control --gpu-util 0.3 \
+      --capture 2,16,29,31 --batch $b --prompt-len ${CAPTURE_LENS:-128 256 512 1024} --reps ${CAPTURE_REPS:-15} ${CAPTURE_REPS_AT:+--reps-at $CAPTURE_REPS_AT} --max-model-len 2048 --no-native --capture-control --gpu-util 0.3 \
       --out "$OUT/throughput_h200_capture32_b$b.json" > "$OUT/throughput_h200_capture32_b$b.log" 2>&1; echo "capture32 b$b rc=$?"
   done
 fi
