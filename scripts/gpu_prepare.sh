@@ -25,5 +25,10 @@ if [ "${MOE:-0}" = 1 ]; then
   # (vLLM 0.24's MLA backends compute prefill with FA3/FA2, FlashInfer or TRT-LLM; TRITON_MLA only decodes)
   unzip -p $WORK/dl/vllm-0.24.0-*.whl vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -9e -T0 > .gpu-moe/_vllm_fa3_C.xz
 fi
-du -sh .gpu/bundle .gpu/spec .gpu-moe 2>/dev/null || true
+# the carry limit (64 MiB with the checkout) takes the bundle in two calls on one warm machine:
+# .gpu_tree (vLLM's tree, ~35 MB) first, then .gpu_whl (wheels, speculators, scripts; ~19 MB) with
+# .gpu-moe; scripts/gpu_run.sh joins them into .gpu/ (the tree also kept in /tmp/stage by call 1)
+rm -rf .gpu_tree .gpu_whl && mkdir -p .gpu_tree .gpu_whl
+cp .gpu/bundle/vllm_tree.tar.xz* .gpu_tree/ && cp -r .gpu/. .gpu_whl/ && rm -f .gpu_whl/bundle/vllm_tree.tar.xz*
+du -sh .gpu/bundle .gpu/spec .gpu-moe .gpu_tree .gpu_whl 2>/dev/null || true
 echo "carry total: $(du -scb .gpu/bundle .gpu/spec | tail -1 | cut -f1) bytes (+ checkout)"

@@ -4,6 +4,8 @@
 # Here (CPU machine), once:   bash scripts/gpu_prepare.sh        # .gpu/bundle + our wheels
 # Then:                       python -m speculators_compat_testbed.provenance --stamp
 # and one device call:        command "bash scripts/gpu_run.sh", carry [".gpu", ".checkout.json"]
+# (checkout + bundle over the 64 MiB carry: call 1 carries [".gpu_tree", ".checkout.json"] and only copies
+# .gpu_tree/* to /tmp/stage; call 2, on the still-warm machine, [".gpu_whl", ".gpu-moe", ".checkout.json"])
 # Results land in $OUT (copied back); commit them under benchmarks/results/gpu/.
 #
 # The checkout's src/ comes first on PYTHONPATH (the installed wheel supplies the vllm.general_plugins
@@ -26,6 +28,11 @@ export OUT=${OUT:-$SCRATCH/out}; mkdir -p "$OUT"
 # GPU_BUNDLE / GPU_SITE: another CUDA vLLM release's bundle (e.g. .gpu26/bundle, built by
 # .gpu26/build.sh from ../shared/gpu/build.sh with the version changed) and its install folder
 B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
+# the bundle carried in two halves (scripts/gpu_prepare.sh): join them (call 1 left the tree in .gpu_tree or /tmp/stage)
+if [ ! -f "$B/SHA256SUMS" ] && [ -d .gpu_whl ]; then
+  mkdir -p .gpu && cp -r .gpu_whl/. .gpu/
+  cp .gpu_tree/vllm_tree.tar.xz* "$B/" 2>/dev/null || cp /tmp/stage/vllm_tree.tar.xz* "$B/" || { echo "bundle half missing: vllm_tree.tar.xz"; exit 2; }
+fi
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 # Provenance: the device's copy of the checkout may hold a .git of an older commit (the work tree
 # is ours, its history is not). When .checkout.json (python -m speculators_compat_testbed.provenance
