@@ -6,7 +6,8 @@
 # and one device call:        command "bash scripts/gpu_run.sh", carry [".gpu", ".checkout.json"]
 # (checkout + bundle over the 64 MiB carry: call 1 carries [".gpu_tree", ".checkout.json"] and only copies
 # .gpu_tree/* to /tmp/stage; call 2, on the still-warm machine, [".gpu_whl", ".gpu-moe", ".checkout.json"])
-# Results land in $OUT (copied back); commit them under benchmarks/results/gpu/.
+# Results land in $OUT (copied back); commit them under benchmarks/results/gpu/. scripts/gpu_plan.sh
+# runs several steps in priority order within one call, each packed apart (a call cut short keeps them).
 #
 # The checkout's src/ comes first on PYTHONPATH (the installed wheel supplies the vllm.general_plugins
 # entry point), so code changes need no new wheel.

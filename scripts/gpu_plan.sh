@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run scripts/gpu_run.sh steps in priority order inside one device call, so a call cut short still
+# returns what finished. Each step runs in its own folder and is packed as $OUT/<n>_<step>.tgz (the
+# device returns at most 8 files); a step whose estimate no longer fits before DEADLINE_S (seconds
+# from this script's start, default 570) is skipped and named. DRY=1 prints the plan only.
+#
+#   PLAN="rehearse_mla hybrid selfcheck capture_b128" bash scripts/gpu_plan.sh
+#
+# Estimates: seconds seen on an H100 at src tree 9304329 (session 24), the first step's bundle install
+# (~30 s) included by INSTALL_S.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-570}
+INSTALL_S=${INSTALL_S:-30}
+OUT=${OUT:-${TMPDIR:-/tmp}/out}; mkdir -p "$OUT"
+declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_mla]=220 [selfcheck]=140 [capture_b64]=220 [capture_b128]=300)
+step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exports
+  case $1 in
+    e2e) echo "export GPU_STEPS=e2e" ;;
+    hybrid) echo "export GPU_STEPS=hybrid HYBRID_ARCHS='qwen3_5 qwen3_next'" ;;
+    rehearse_mla) echo "export GPU_STEPS=rehearse REHEARSE_DENSE= REHEARSE_MLA=deepseek-v3,kimi-k2.5 REHEARSE_PARALLEL=1 REHEARSE_TIMEOUT=$2" ;;
+    selfcheck) echo "export GPU_STEPS=selfcheck SELFCHECK_LENS=128 SELFCHECK_REPS=31 BENCH_TIMEOUT=$2" ;;
+    capture_b64) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=64 CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
+    capture_b128) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=128 CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
+  esac
+}
+PLAN=${PLAN:-rehearse_mla hybrid selfcheck capture_b128}
+for step in $PLAN; do
+  [ -n "${EST[$step]:-}" ] || { echo "plan: unknown step '$step' (expected one of: ${!EST[*]})"; exit 2; }
+done
+n=0; installed=0; dry_spent=0
+for step in $PLAN; do
+  n=$((n + 1))
+  est=${EST[$step]}
+  need=$((est + (installed ? 0 : INSTALL_S)))
+  left=$((DEADLINE_S - ($(date +%s) - t0) - dry_spent))
+  if [ "$need" -gt "$left" ]; then echo "plan: $step skipped (needs ~${need}s, ${left}s left)"; continue; fi
+  settings=$(step_env "$step" "$est")
+  echo "plan: $n $step (~${need}s of ${left}s left): $settings"
+  [ "${DRY:-0}" = 1 ] && { installed=1; dry_spent=$((dry_spent + need)); continue; }
+  dir="$OUT/${n}_$step"; mkdir -p "$dir"
+  # the step ends before the deadline whatever happens
+  (eval "$settings"; export OUT="$dir"; timeout $((left - 10)) bash scripts/gpu_run.sh > "$dir/plan_step.log" 2>&1)
+  echo "plan: $step rc=$? after $(( $(date +%s) - t0 ))s"
+  installed=1
+  (cd "$OUT" && tar czf "${n}_$step.tgz" "${n}_$step" && rm -rf "${n}_$step")
+done
+echo "plan: done after $(( $(date +%s) - t0 ))s"
