@@ -27,7 +27,7 @@ if [ "${MOE:-0}" = 1 ]; then
 fi
 # the carry limit (64 MiB with the checkout) takes the bundle in two calls on one warm machine:
 # .gpu_tree (vLLM's tree, ~35 MB) first, then .gpu_whl (wheels, speculators, scripts; ~19 MB) with
-# .gpu-moe; scripts/gpu_run.sh joins them into .gpu/ (the tree also kept in /tmp/stage by call 1)
+# .gpu-moe; scripts/gpu_run.sh joins them into .gpu/ (call 1 also copies the tree to ${TMPDIR:-/tmp}/stage)
 rm -rf .gpu_tree .gpu_whl && mkdir -p .gpu_tree .gpu_whl
 cp .gpu/bundle/vllm_tree.tar.xz* .gpu_tree/ && cp -r .gpu/. .gpu_whl/ && rm -f .gpu_whl/bundle/vllm_tree.tar.xz*
 du -sh .gpu/bundle .gpu/spec .gpu-moe .gpu_tree .gpu_whl 2>/dev/null || true

@@ -5,7 +5,7 @@
 # Then:                       python -m speculators_compat_testbed.provenance --stamp
 # and one device call:        command "bash scripts/gpu_run.sh", carry [".gpu", ".checkout.json"]
 # (checkout + bundle over the 64 MiB carry: call 1 carries [".gpu_tree", ".checkout.json"] and only copies
-# .gpu_tree/* to /tmp/stage; call 2, on the still-warm machine, [".gpu_whl", ".gpu-moe", ".checkout.json"])
+# .gpu_tree/* to ${TMPDIR:-/tmp}/stage; call 2, on the still-warm machine, [".gpu_whl", ".gpu-moe", ".checkout.json"])
 # Results land in $OUT (copied back); commit them under benchmarks/results/gpu/. scripts/gpu_plan.sh
 # runs several steps in priority order within one call, each packed apart (a call cut short keeps them).
 #
@@ -29,10 +29,10 @@ export OUT=${OUT:-$SCRATCH/out}; mkdir -p "$OUT"
 # GPU_BUNDLE / GPU_SITE: another CUDA vLLM release's bundle (e.g. .gpu26/bundle, built by
 # .gpu26/build.sh from ../shared/gpu/build.sh with the version changed) and its install folder
 B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
-# the bundle carried in two halves (scripts/gpu_prepare.sh): join them (call 1 left the tree in .gpu_tree or /tmp/stage)
+# the bundle carried in two halves (scripts/gpu_prepare.sh): join them (call 1 left the tree in .gpu_tree or $TMPDIR/stage)
 if [ ! -f "$B/SHA256SUMS" ] && [ -d .gpu_whl ]; then
   mkdir -p .gpu && cp -r .gpu_whl/. .gpu/
-  cp .gpu_tree/vllm_tree.tar.xz* "$B/" 2>/dev/null || cp /tmp/stage/vllm_tree.tar.xz* "$B/" || { echo "bundle half missing: vllm_tree.tar.xz"; exit 2; }
+  cp .gpu_tree/vllm_tree.tar.xz* "$B/" 2>/dev/null || cp "${TMPDIR:-/tmp}"/stage/vllm_tree.tar.xz* "$B/" || { echo "bundle half missing: vllm_tree.tar.xz"; exit 2; }
 fi
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 # Provenance: the device's copy of the checkout may hold a .git of an older commit (the work tree
