@@ -21,8 +21,7 @@ step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exp
     hybrid) echo "export GPU_STEPS=hybrid HYBRID_ARCHS='qwen3_5 qwen3_next'" ;;
     rehearse_mla) echo "export GPU_STEPS=rehearse REHEARSE_DENSE= REHEARSE_MLA=deepseek-v3,kimi-k2.5 REHEARSE_PARALLEL=1 REHEARSE_TIMEOUT=$2" ;;
     selfcheck) echo "export GPU_STEPS=selfcheck SELFCHECK_LENS=128 SELFCHECK_REPS=31 BENCH_TIMEOUT=$2" ;;
-    capture_b64) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=64 CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
-    capture_b128) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=128 CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
+    capture_b*) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=${1#capture_b} CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
   esac
 }
 PLAN=${PLAN:-rehearse_mla hybrid selfcheck capture_b128}

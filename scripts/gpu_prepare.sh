@@ -29,6 +29,7 @@ fi
 # .gpu_tree (vLLM's tree, ~35 MB) first, then .gpu_whl (wheels, speculators, scripts; ~19 MB) with
 # .gpu-moe; scripts/gpu_run.sh joins them into .gpu/ (call 1 also copies the tree to ${TMPDIR:-/tmp}/stage)
 rm -rf .gpu_tree .gpu_whl && mkdir -p .gpu_tree .gpu_whl
-cp .gpu/bundle/vllm_tree.tar.xz* .gpu_tree/ && cp -r .gpu/. .gpu_whl/ && rm -f .gpu_whl/bundle/vllm_tree.tar.xz*
+cp .gpu/bundle/vllm_tree.tar.xz* .gpu_tree/
+tar -C .gpu --exclude='vllm_tree.tar.xz*' -cf - . | tar -C .gpu_whl -xf -
 du -sh .gpu/bundle .gpu/spec .gpu-moe .gpu_tree .gpu_whl 2>/dev/null || true
 echo "carry total: $(du -scb .gpu/bundle .gpu/spec | tail -1 | cut -f1) bytes (+ checkout)"

@@ -30,9 +30,11 @@ export OUT=${OUT:-$SCRATCH/out}; mkdir -p "$OUT"
 # .gpu26/build.sh from ../shared/gpu/build.sh with the version changed) and its install folder
 B=${GPU_BUNDLE:-.gpu/bundle}; SITE=${GPU_SITE:-$SCRATCH/site}
 # the bundle carried in two halves (scripts/gpu_prepare.sh): join them (call 1 left the tree in .gpu_tree or $TMPDIR/stage)
+# (the tree first: SHA256SUMS, from .gpu_whl, appears only once both halves are in, so a failed join is retried)
 if [ ! -f "$B/SHA256SUMS" ] && [ -d .gpu_whl ]; then
-  mkdir -p .gpu && cp -r .gpu_whl/. .gpu/
+  mkdir -p "$B"
   cp .gpu_tree/vllm_tree.tar.xz* "$B/" 2>/dev/null || cp "${TMPDIR:-/tmp}"/stage/vllm_tree.tar.xz* "$B/" || { echo "bundle half missing: vllm_tree.tar.xz"; exit 2; }
+  cp -r .gpu_whl/. "$(dirname "$B")/"
 fi
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 # Provenance: the device's copy of the checkout may hold a .git of an older commit (the work tree
