@@ -104,7 +104,9 @@ if [[ " $STEPS " == *" rehearse "* ]]; then
   MLA_ONLY=${REHEARSE_MLA:-}
   for group in "$DENSE_ONLY:TRITON_ATTN" "$MOE_ONLY:TRITON_ATTN" "$MLA_ONLY:TRITON_MLA"; do
     only=${group%%:*}; backend=${group##*:}; [ -n "$only" ] || continue
-    if [ "${REHEARSE_PARALLEL:-0}" = 1 ]; then  # one process per config at once (each engine's KV cache capped)
+    # REHEARSE_PARALLEL=1: one process per config at once (each engine's KV cache capped); an engine that
+    # starts while another process frees GPU memory fails vLLM's memory profiling (logs/s27, Kimi-K2.5)
+    if [ "${REHEARSE_PARALLEL:-0}" = 1 ]; then
       pids=()
       for slug in ${only//,/ }; do
         SPECULATORS_COMPAT_KV_CACHE_BYTES=4000000000 SPECULATORS_COMPAT_REHEARSAL_GPU_MEM=0.12 SPECULATORS_COMPAT_ATTENTION_BACKEND=$backend \

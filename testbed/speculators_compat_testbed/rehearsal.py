@@ -441,10 +441,17 @@ def _judge(cell: dict) -> dict:
     return out
 
 
+def _exception_line(text: str) -> str:
+    """The last ``SomeError: ...`` line of a (possibly tail-cut) traceback text, else its first line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    raised = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*:", ln)]
+    return (raised or lines or [""])[-1 if raised else 0]
+
+
 def _own_forward_line(settled: dict) -> str:
     """One line: how the capture compares with vLLM's own forward scheduled as the generator."""
     if settled.get("error"):
-        return f"vLLM's own forward (shim off) could not run: {settled['error'].splitlines()[0][:300]}"
+        return f"vLLM's own forward (shim off) could not run: {_exception_line(settled['error'])[:300]}"
     parts = []
     for name, c in (settled.get("cases") or {}).items():
         d = c.get("first_differing")

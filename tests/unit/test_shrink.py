@@ -173,3 +173,16 @@ def test_a_qwen_vl_wrapper_from_config_alone_gets_a_stand_in_image_processor(tmp
         assert rehearsal.stand_in_image_processor(bad) is None
         with pytest.raises(rehearsal.CannotRehearse, match="needs the model folder with preprocessor_config.json"):
             rehearsal.plan(tmp_path, None, 1, None)
+
+
+def test_own_forward_failure_names_the_exception_not_a_cut_fragment():
+    """The recorded error is the tail of a traceback (cut mid-word at its start): the line shown is
+    the exception's, as in the H100 run where a second process disturbed vLLM's memory profiling."""
+    res = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "rehearsal"
+    cell = json.loads((res / "gpu-h100_spec-0.4.0.1_vllm-0.24.0_kimi-k2.5_9304329_beside_deepseek.json").read_text())
+    line = rehearsal._own_forward_line(cell["models"]["kimi-k2.5"]["settled"])
+    assert line.startswith("vLLM's own forward (shim off) could not run: RuntimeError: Worker failed with error "
+                           "'Error in memory profiling."), line
+    cut = "ofiling during init.\n  File \"x.py\", line 3, in f\nValueError: expected 4 rows; found 3\n"
+    assert rehearsal._own_forward_line({"error": cut}).endswith("ValueError: expected 4 rows; found 3")
+    assert rehearsal._own_forward_line({"error": "no exception here\nsecond"}).endswith("no exception here")
