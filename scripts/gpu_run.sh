@@ -221,11 +221,12 @@ if [[ " $STEPS " == *" job "* ]]; then
   # (~1 min per script run: imports, preprocessing, engine start); the data files go to $SCRATCH/job (disk).
   # The script's preprocessing needs HF datasets, which neither the image nor the bundle holds: carry its
   # wheels in .gpu/job-whl (here: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-  # --implementation cp --platform manylinux_2_28_x86_64 -d .gpu/job-whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+  # --implementation cp --platform manylinux_2_28_x86_64 -d .gpu/job-whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash; speculators imports
+  # under the shim, as the script does under run: without it pydantic fails on speculators' torch annotation)
   if [ -d .gpu/job-whl ] && [ ! -d "$SITE/datasets" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .gpu/job-whl/*.whl || echo "job: wheel install failed"
   fi
-  PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
+  PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import speculators_compat, datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
     || echo "job: the script's imports fail (datasets missing? carry .gpu/job-whl)"
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${JOB_TIMEOUT:-300} python3 benchmarks/job_throughput.py \
     ${JOB_SHAPE:---hidden 2048 --layers 8 --n 32 --batch-size 8} --seq-length 2048 --reps ${JOB_REPS:-2} --gpu-util 0.4 \
