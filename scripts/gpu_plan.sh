@@ -4,7 +4,7 @@
 # device returns at most 8 files); a step whose estimate no longer fits before DEADLINE_S (seconds
 # from this script's start, default 570) is skipped and named. DRY=1 prints the plan only.
 #
-#   PLAN="rehearse_kimi rehearse_deepseek selfcheck capture_b128" bash scripts/gpu_plan.sh
+#   PLAN="rehearse_kimi-k2.5 rehearse_deepseek-v3 selfcheck capture_b128" bash scripts/gpu_plan.sh
 #
 # Estimates: seconds seen on an H100 at src tree 9304329 (sessions 24, 27), the first step's bundle
 # install (~30 s) added by INSTALL_S. The first 8B-shape step of a machine (selfcheck, capture_b*)
@@ -16,18 +16,17 @@ t0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 INSTALL_S=${INSTALL_S:-30}
 OUT=${OUT:-${TMPDIR:-/tmp}/out}; mkdir -p "$OUT"
-declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek]=200 [rehearse_kimi]=210 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300)
+declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek-v3]=200 [rehearse_kimi-k2.5]=210 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300)
 step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exports
   case $1 in
     e2e) echo "export GPU_STEPS=e2e" ;;
     hybrid) echo "export GPU_STEPS=hybrid HYBRID_ARCHS='qwen3_5 qwen3_next'" ;;
-    rehearse_deepseek) echo "export GPU_STEPS=rehearse REHEARSE_DENSE= REHEARSE_MLA=deepseek-v3 REHEARSE_PARALLEL=0 REHEARSE_TIMEOUT=$2" ;;
-    rehearse_kimi) echo "export GPU_STEPS=rehearse REHEARSE_DENSE= REHEARSE_MLA=kimi-k2.5 REHEARSE_PARALLEL=0 REHEARSE_TIMEOUT=$2" ;;
+    rehearse_*) echo "export GPU_STEPS=rehearse REHEARSE_DENSE= REHEARSE_MLA=${1#rehearse_} REHEARSE_TIMEOUT=$2" ;;
     selfcheck) echo "export GPU_STEPS=selfcheck SELFCHECK_LENS=128 SELFCHECK_REPS=31 BENCH_TIMEOUT=$2" ;;
     capture_b*) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=${1#capture_b} CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
   esac
 }
-PLAN=${PLAN:-rehearse_kimi rehearse_deepseek selfcheck capture_b128}
+PLAN=${PLAN:-rehearse_kimi-k2.5 rehearse_deepseek-v3 selfcheck capture_b128}
 for step in $PLAN; do
   [ -n "${EST[$step]:-}" ] || { echo "plan: unknown step '$step' (expected one of: ${!EST[*]})"; exit 2; }
 done

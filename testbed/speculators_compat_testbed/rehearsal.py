@@ -445,7 +445,7 @@ def _exception_line(text: str) -> str:
     """The last ``SomeError: ...`` line of a (possibly tail-cut) traceback text, else its first line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     raised = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*:", ln)]
-    return (raised or lines or [""])[-1 if raised else 0]
+    return raised[-1] if raised else (lines[0] if lines else "")
 
 
 def _own_forward_line(settled: dict) -> str:
