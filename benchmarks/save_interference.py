@@ -1,0 +1,133 @@
+"""What the save threads take from the driver's thread: a Python loop's rate while samples are saved.
+
+The script's driver (scheduler, batching) is Python on the main thread; ``output.SaveQueue``
+saves on ``--workers`` threads. Samples of the 8B-like shape (``--tokens`` x ``--hidden`` x
+``--layers`` bf16) are submitted at ``--rate-gbs`` (the generator's output rate; 0 = as fast as the
+threads go) while the main thread counts loop turns; reported per mode: the loop's rate over its
+rate with nothing saved, and the bytes saved per second. Modes alternate, a warm-up round apart:
+``hashing`` (the shim's: torch.save through a writer that SHA-256s what passes), ``file`` (the
+same file object, no hash), ``path`` (torch.save to a path: its own C++ writer), ``path+rehash``
+(path, then SHA-256 of the file read back on the same thread). Files go to ``--dir`` (default
+$TMPDIR): a second disk shows its own speed.
+
+    python benchmarks/save_interference.py --out benchmarks/results/cpu/save_interference.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MODES = ("idle", "hashing", "file", "path", "path+rehash")
+
+
+def savers(folder: Path):
+    import torch
+
+    from speculators_compat import output
+
+    def hashing(obj, i):
+        output.save_tensor_file(obj, folder / f"h{i}.pt")
+
+    def file(obj, i):
+        with open(folder / f"f{i}.pt", "wb") as f:
+            torch.save(obj, f)
+
+    def path(obj, i):
+        torch.save(obj, str(folder / f"p{i}.pt"))
+
+    def path_rehash(obj, i):
+        p = folder / f"r{i}.pt"
+        torch.save(obj, str(p))
+        output.file_sha256(p)
+
+    return {"hashing": hashing, "file": file, "path": path, "path+rehash": path_rehash}
+
+
+def spin(stop: threading.Event, out: list) -> None:
+    n, d = 0, {}
+    while not stop.is_set():
+        for k in range(200):
+            d[k % 17] = k * 2
+        n += 1
+    out.append(n)
+
+
+def trial(save, sample: dict, nbytes: int, n: int, workers: int, rate_gbs: float, idle_s: float) -> dict:
+    stop, turns = threading.Event(), []
+    t0 = time.perf_counter()
+    th = threading.Thread(target=spin, args=(stop, turns))
+    th.start()
+    if save is None:
+        time.sleep(idle_s)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            futures = []
+            for i in range(n):
+                if rate_gbs:
+                    time.sleep(max(0.0, t0 + i * nbytes / (rate_gbs * 1e9) - time.perf_counter()))
+                futures.append(pool.submit(save, sample, i))
+            for f in futures:
+                f.result()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    return {"loop_per_s": turns[0] / wall, "wall_s": wall, "gb_per_s": 0.0 if save is None else n * nbytes / wall / 1e9}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rate-gbs", type=float, default=1.4)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    from speculators_compat_testbed.provenance import provenance
+
+    sample = {"input_ids": torch.arange(args.tokens), "loss_mask": torch.ones(args.tokens, dtype=torch.long),
+              "hidden_states": [torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16) for _ in range(args.layers)]}
+    nbytes = sum(t.numel() * t.element_size() for t in sample["hidden_states"])
+    folder = Path(tempfile.mkdtemp(prefix="save-interference-", dir=args.dir))
+    try:
+        fns = savers(folder)
+        idle_s = args.samples * nbytes / (args.rate_gbs * 1e9) if args.rate_gbs else 1.0
+        trial(fns["hashing"], sample, nbytes, 8, args.workers, 0.0, 0.0)  # warm-up
+        runs: dict[str, list] = {m: [] for m in MODES}
+        for _ in range(args.reps):
+            for m in MODES:
+                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, args.workers, args.rate_gbs, idle_s))
+                for p in folder.iterdir():
+                    p.unlink()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    base = statistics.median(r["loop_per_s"] for r in runs["idle"])
+    summary = {m: {"loop_rate_vs_idle": round(statistics.median(r["loop_per_s"] for r in v) / base, 4),
+                   "gb_per_s": round(statistics.median(r["gb_per_s"] for r in v), 3)} for m, v in runs.items()}
+    result = {"benchmark": "save_interference", "provenance": provenance(), "cpu_count": os.cpu_count(),
+              "settings": {**vars(args), "dir": "TMPDIR" if args.dir is None else "given", "sample_bytes": nbytes},
+              "summary": summary, "runs": runs}
+    for m, s in summary.items():
+        print(f"{m:12s} loop {s['loop_rate_vs_idle']:.3f} of idle   saved {s['gb_per_s']:.2f} GB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
