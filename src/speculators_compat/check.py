@@ -22,7 +22,6 @@ from .layers import ADAPTERS, adapter_for
 from .patches._signatures import GENERATOR, WORKER, first_binding, import_attr, require_params
 from .patches.speculators_script import CONFIG_GENERATOR, PREPROCESSING
 from .registry import Call
-from .versions import vllm_platform
 
 EXIT_SUPPORTED, EXIT_UNTESTED, EXIT_DRIFT, EXIT_CANNOT = 0, 1, 2, 3
 
@@ -357,11 +356,10 @@ def _run_check() -> tuple[int, dict]:
             findings.append(Finding("patch", rec["id"], "ok" if status == "applied" else "skipped", rec["reason"]))
     findings.extend(ranged_out_findings(reg, statuses, versions))
     findings.extend(cpu_attention_findings(statuses))
-    platform = vllm_platform(reg.versions["vllm"])
-    rows = matrix.tested_status(versions["speculators"], versions["vllm"], platform)
+    platform, rows = reg.tested_rows()
     verified = any(r.status == "verified" for r in rows)
     broken = any(r.status == "broken" for r in rows)
-    elsewhere = [r for r in matrix.tested_status(versions["speculators"], versions["vllm"]) if r not in rows]
+    elsewhere = [r for r in reg.tested_rows(everywhere=True)[1] if r not in rows]
     detail = "; ".join(f"{r.platform}: {r.status} ({r.evidence})" for r in rows) or (
         f"pair not in the tested table for this vLLM build ({platform})"
         + ("; only on " + ", ".join(f"{r.platform} ({r.status})" for r in elsewhere) if elsewhere else "")

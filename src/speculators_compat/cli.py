@@ -62,12 +62,7 @@ def cmd_report(args) -> int:
         "matrix": matrix.path if matrix else None,
         "matrix_error": matrix_error,
         "import_errors": errors,
-        "tested": (
-            [r.__dict__ for r in matrix.tested_status(versions["speculators"].version, versions["vllm"].version,
-                                                      vllm_platform(versions["vllm"]))]
-            if matrix
-            else []
-        ),
+        "tested": [r.__dict__ for r in reg.tested_rows()[1]] if matrix else [],
         "patches": [dict(r, gate=gates.get(r["id"], "")) for r in records],
     }
     if args.matrix and matrix is not None:

@@ -378,15 +378,23 @@ class Registry:
         if self._combination_problem and self.strict:
             raise PatchError(f"strict mode: {self._combination_problem}")
 
+    def tested_rows(self, everywhere: bool = False) -> tuple[str | None, list[Any]]:
+        """The installed vLLM build's platform (``cpu`` / ``cuda``) and the tested table's rows for
+        the installed pair on it (``everywhere``: on every platform). ``check``, ``report`` and the
+        untested-pair warning all judge a pair by these rows."""
+        from .versions import vllm_platform
+
+        v = self.version_strings()
+        platform = vllm_platform(self.versions["vllm"])
+        rows = self.matrix.tested_status(v.get("speculators"), v.get("vllm"), None if everywhere else platform)
+        return platform, rows
+
     def _combination_message(self) -> str | None:
         v = self.version_strings()
         spec, vllm = v.get("speculators"), v.get("vllm")
         if spec is None or vllm is None:
             return None
-        from .versions import vllm_platform
-
-        platform = vllm_platform(self.versions["vllm"])
-        rows = self.matrix.tested_status(spec, vllm, platform)
+        platform, rows = self.tested_rows()
         if not rows or all(r.status == "untested" for r in rows):
             return (
                 f"speculators {spec} with vLLM {vllm} ({platform}) is not in the tested table of {self.matrix.path}; "

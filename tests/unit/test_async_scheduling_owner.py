@@ -41,12 +41,19 @@ def test_one_decision_from_the_settings(clean_env, env, futures, expected):
 
 
 def test_the_executor_hook_writes_the_owners_decision_both_ways(clean_env):
+    from speculators_compat.patches.executor import CONSTRUCTING
+
     config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
-    execution._executor_async_scheduling(_Futures, None, (), {"vllm_config": config})
-    assert config.scheduler_config.async_scheduling is True
-    clean_env.setenv("SPECULATORS_COMPAT_PIPELINE", "0")
-    execution._executor_async_scheduling(_Futures, None, (config,), {})
-    assert config.scheduler_config.async_scheduling is False  # the decision, not a second writer's
+    ex = _Futures.__new__(_Futures)
+    token = CONSTRUCTING.set(object())  # a generator being built
+    try:
+        execution._executor_async_scheduling(ex.__init__, ex, (), {"vllm_config": config})
+        assert config.scheduler_config.async_scheduling is True
+        clean_env.setenv("SPECULATORS_COMPAT_PIPELINE", "0")
+        execution._executor_async_scheduling(ex.__init__, ex, (config,), {})
+        assert config.scheduler_config.async_scheduling is False  # the decision, not a second writer's
+    finally:
+        CONSTRUCTING.reset(token)
 
 
 def test_no_other_module_writes_the_field():

@@ -66,7 +66,7 @@ def vllm(monkeypatch):
 
     class VllmHiddenStatesGenerator:
         def __init__(self, specs):
-            token = CONSTRUCTING.set(self)  # as executor-class does around speculators' __init__
+            token = CONSTRUCTING.set(self)  # as generator-construction does around speculators' __init__
             try:
                 self.vllm_config = "the generator's VllmConfig"
                 kh_unify(specs)
@@ -172,7 +172,7 @@ def test_probe_without_mamba_spec_says_so(vllm):
 
 def test_shipped_matrix_gates_both_and_groups_requires_unify():
     patches = yaml.safe_load(SHIPPED_MATRIX.read_text())["patches"]
-    assert {p.id: p.requires for p in kh.PATCHES}["kv-cache-hybrid-groups"] == ("kv-cache-hybrid-unify", "executor-class")
+    assert {p.id: p.requires for p in kh.PATCHES}["kv-cache-hybrid-groups"] == ("kv-cache-hybrid-unify", "generator-construction")
     for pid in ("kv-cache-hybrid-unify", "kv-cache-hybrid-groups"):
         assert patches[pid]["speculators"] == ">=0.3.0,<0.5"
     ids = {p.id for p in kh.PATCHES}

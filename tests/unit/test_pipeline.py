@@ -52,24 +52,44 @@ def _config():
     return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
 
 
+def _built(cls, *args, constructing=True, **kwargs):
+    """``cls(...)`` through the async-scheduling wrapper (on MultiprocExecutor.__init__), with a
+    generator being built or not."""
+    from speculators_compat.patches.executor import CONSTRUCTING
+
+    ex = cls.__new__(cls)
+    token = CONSTRUCTING.set(object() if constructing else None)
+    try:
+        execution._executor_async_scheduling(ex.__init__, ex, args, kwargs)
+    finally:
+        CONSTRUCTING.reset(token)
+    return ex
+
+
 def test_async_scheduling_turned_on_for_a_futures_executor(clean_env):
     config = _config()
-    ex = execution._executor_async_scheduling(_FutureExecutor, None, (), {"vllm_config": config})
+    ex = _built(_FutureExecutor, vllm_config=config)
     assert config.scheduler_config.async_scheduling is True
     assert ex.vllm_config is config
+
+
+def test_async_scheduling_untouched_outside_the_generators_construction(clean_env):
+    config = _config()
+    _built(_FutureExecutor, config, constructing=False)  # e.g. a vLLM engine the user builds beside it
+    assert config.scheduler_config.async_scheduling is False
 
 
 @pytest.mark.parametrize("env", ["SPECULATORS_COMPAT_ASYNC_SCHEDULING", "SPECULATORS_COMPAT_PIPELINE"])
 def test_async_scheduling_left_off_by_either_switch(clean_env, monkeypatch, env):
     monkeypatch.setenv(env, "0")
     config = _config()
-    execution._executor_async_scheduling(_FutureExecutor, None, (config,), {})
+    _built(_FutureExecutor, config)
     assert config.scheduler_config.async_scheduling is False
 
 
 def test_async_scheduling_left_off_for_a_blocking_executor(clean_env):
     config = _config()
-    execution._executor_async_scheduling(_BlockingExecutor, None, (), {"vllm_config": config})
+    _built(_BlockingExecutor, vllm_config=config)
     assert config.scheduler_config.async_scheduling is False
 
 

@@ -855,15 +855,16 @@ def test_shipped_requires_name_shipped_patches_and_live_in_the_patch_files():
     patches = {p.id: p for p in all_patches()}
     declared = {pid: p.requires for pid, p in patches.items() if p.requires}
     assert declared == {
-        "async-scheduling": ("scheduler-config-args", "generate-driver"),
+        "async-scheduling": ("scheduler-config-args", "generate-driver", "generator-construction"),
         "generate-driver": ("request-args", "worker-capture-rpc"),
         "executor-backend": ("executor-class",),
+        "executor-class": ("generator-construction",),
         "worker-start-cause-raise": ("worker-start-cause-record",),
         "worker-capture-hooks": ("worker-v2-batch-order",),
         "worker-capture-rpc": ("worker-capture-hooks",),
-        "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify", "executor-class"),
+        "kv-cache-hybrid-groups": ("kv-cache-hybrid-unify", "generator-construction"),
         "script-resumable-output": ("script-main-ready",),
-        "worker-spawn": ("executor-class",),
+        "worker-spawn": ("generator-construction",),
     }
     for pid, needed in declared.items():
         assert set(needed) <= set(patches), pid

@@ -17,6 +17,8 @@ from ..extraction.steps import executor_takes_futures
 from ..registry import wrapper_patch
 from ._signatures import GENERATOR, import_attr, parameters
 
+EXECUTOR = "vllm.v1.executor.multiproc_executor"
+
 __all__ = ["ExtractionError", "PATCHES", "generate"]
 
 
@@ -57,24 +59,36 @@ def _probe_generate(current):
 
 
 def _executor_async_scheduling(wrapped, instance, args, kwargs):
-    # scheduler-config-args owns SchedulerConfig.async_scheduling (engine_config.py decides it)
+    # scheduler-config-args owns SchedulerConfig.async_scheduling (engine_config.py decides it); only
+    # the generator's executor, before its workers start with the config (Executor.__init__)
     from .engine_config import settle_async_scheduling
+    from .executor import CONSTRUCTING
 
-    config = kwargs.get("vllm_config", args[0] if args else None)
-    settle_async_scheduling(config, executor_takes_futures(wrapped))
+    if CONSTRUCTING.get() is not None:
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        settle_async_scheduling(config, executor_takes_futures(type(instance)))
     return wrapped(*args, **kwargs)
 
 
 def _probe_async_scheduling(current):
     from ..registry import NotNeeded
 
-    real = import_attr("vllm.v1.executor.multiproc_executor", "MultiprocExecutor")
+    params = list(parameters(current) or {})
+    if params[:2] != ["self", "vllm_config"]:
+        return f"expected MultiprocExecutor.__init__(self, vllm_config, ...); found {params or current!r}"
+    import inspect
+
+    # (unwrapped: vLLM 0.32 decorates it with its tracing span)
+    base_init = getattr(inspect.unwrap(import_attr("vllm.v1.executor.abstract", "Executor.__init__")), "__code__", None)
+    if base_init is None or "_init_executor" not in base_init.co_names:  # the workers start in it
+        return "expected Executor.__init__ to start the workers (self._init_executor()); it does not"
+    real = import_attr(EXECUTOR, "MultiprocExecutor")
     if not executor_takes_futures(real):
         return (
             "expected MultiprocExecutor.execute_model/sample_tokens/collective_rpc(..., non_block=...); "
             f"found execute_model{parameters(real.execute_model)}"
         )
-    worker_proc = import_attr("vllm.v1.executor.multiproc_executor", "WorkerProc")
+    worker_proc = import_attr(EXECUTOR, "WorkerProc")
     if not callable(getattr(worker_proc, "async_output_busy_loop", None)):
         return "expected WorkerProc.async_output_busy_loop (the workers' async output thread); not found"
     fields = getattr(import_attr("vllm.config", "SchedulerConfig"), "__dataclass_fields__", {}) or {}
@@ -91,12 +105,13 @@ PATCHES = [
     wrapper_patch(
         "async-scheduling",
         "execution",
-        GENERATOR,
-        "MultiprocExecutor",
+        EXECUTOR,
+        "MultiprocExecutor.__init__",
         _executor_async_scheduling,
         _probe_async_scheduling,
-        # the one writer of SchedulerConfig.async_scheduling; futures only the shim's driver drives
-        requires=("scheduler-config-args", "generate-driver"),
+        # the one writer of SchedulerConfig.async_scheduling; futures only the shim's driver drives;
+        # the generator being built (generator-construction) is the only executor it touches
+        requires=("scheduler-config-args", "generate-driver", "generator-construction"),
     ),
     wrapper_patch(
         "generate-driver",

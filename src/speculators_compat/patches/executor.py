@@ -1,10 +1,11 @@
 """The generator's executor: speculators hard-codes vLLM's ``MultiprocExecutor`` (one host).
 
+``generator-construction`` marks the generator whose ``__init__`` runs (``CONSTRUCTING``).
 ``executor-backend``: ``SPECULATORS_COMPAT_EXECUTOR=ray`` / ``..._PIPELINE_PARALLEL_SIZE=N`` reach
-``ParallelConfig``. ``executor-class``: with Ray or pipeline stages, ``__init__`` builds vLLM's own
-executor choice (with per-stage KV-cache configs). ``worker-spawn``: on accelerators the workers
-start with ``spawn`` while it runs. Nothing changes unless asked; Ray is imported only when asked for.
-Details: docs/MODULES.md.
+``ParallelConfig``. ``executor-class`` owns the name ``MultiprocExecutor`` the generator builds by:
+with Ray or pipeline stages, vLLM's own executor choice (with per-stage KV-cache configs).
+``worker-spawn``: on accelerators the workers start with ``spawn``. Nothing changes unless asked;
+Ray is imported only when asked for. Details: docs/MODULES.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextvars
 import os
 import sys
-import types
 
 from .. import settings
 from ..registry import Call, wrapper_patch
@@ -21,8 +21,8 @@ from ._signatures import GENERATOR, import_attr, parameters, require_params
 
 EXECUTORS = ("mp", "ray")
 
-# the generator whose __init__ is running (set by executor-class for the call): what a patch on a
-# function that __init__ calls reads instead of walking the stack (kv-cache-hybrid-groups)
+# the generator whose __init__ is running (set by generator-construction for the call): what a patch
+# on a function that __init__ calls reads instead of walking the stack (kv-cache-hybrid-groups)
 CONSTRUCTING: contextvars.ContextVar = contextvars.ContextVar("speculators_compat_generator_init", default=None)
 
 
@@ -88,7 +88,7 @@ def _probe_parallel_config(current):
     return None
 
 
-# -- executor-class: VllmHiddenStatesGenerator.__init__ ------------------------------------
+# -- executor-class: the generator module's MultiprocExecutor -------------------------------
 
 
 def _check_platform_runs_ray() -> None:
@@ -183,61 +183,57 @@ def ordered_control_plane(executor_cls) -> bool:
     return isinstance(executor_cls, type) and issubclass(executor_cls, MultiprocExecutor)
 
 
-def build_executor(vllm_config):
-    """vLLM's own executor for this config (``Executor.get_class``): Ray where asked for; else the
-    generator module's ``MultiprocExecutor`` as it stands (with the async-scheduling patch)."""
-    from vllm.v1.executor.abstract import Executor
-
-    from .engine_config import settle_async_scheduling
-
-    module = sys.modules[GENERATOR]
+def build_executor(vllm_config, multiproc: type):
+    """vLLM's own executor for this config (``Executor.get_class``): Ray where asked for, else
+    ``multiproc`` (the generator module's ``MultiprocExecutor``); with pipeline stages, a subclass
+    that plans every stage's KV cache."""
+    cls = multiproc
     if vllm_config.parallel_config.distributed_executor_backend == "ray":
+        from vllm.v1.executor.abstract import Executor
+
+        from .engine_config import settle_async_scheduling
+
         cls = Executor.get_class(vllm_config)
         settle_async_scheduling(vllm_config, ordered_control_plane(cls) and executor_takes_futures(cls))
-    else:
-        cls = module.MultiprocExecutor
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        base = getattr(cls, "__wrapped__", None)
-        if base is not None:  # async-scheduling's wrapper: settle as it does, then subclass the class itself
-            settle_async_scheduling(vllm_config, executor_takes_futures(base))
-            cls = base
         cls = pipeline_stages(cls)
     return cls(vllm_config=vllm_config)
 
 
-def _generator_init(wrapped, instance, args, kwargs):
+def _mark_construction(wrapped, instance, args, kwargs):
     token = CONSTRUCTING.set(instance)
     try:
-        return _init(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
     finally:
         CONSTRUCTING.reset(token)
 
 
-def _init(wrapped, instance, args, kwargs):
-    if not custom_engine():
+def _probe_generator_init(current):
+    original = getattr(current, "__wrapped__", current)
+    if parameters(original) is None:
+        return f"expected VllmHiddenStatesGenerator.__init__ to be a Python function; found {current!r}"
+    return None
+
+
+def _executor_class(wrapped, instance, args, kwargs):
+    """``MultiprocExecutor(vllm_config=...)`` as the generator calls it: unchanged unless Ray or
+    pipeline stages are asked for while a generator is built."""
+    if CONSTRUCTING.get() is None or not custom_engine():
         return wrapped(*args, **kwargs)
     if choice() == "ray":
         _check_platform_runs_ray()
         _import_ray_or_explain()
-    original = getattr(wrapped, "__func__", wrapped)
-    module = sys.modules[GENERATOR]
-    scope = dict(vars(module))
-    scope["MultiprocExecutor"] = build_executor
-    init = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
-    init.__kwdefaults__ = original.__kwdefaults__
-    return init(instance, *args, **kwargs)
+    return build_executor(kwargs.get("vllm_config", args[0] if args else None), wrapped)
 
 
-def _probe_generator_init(current):
-    original = getattr(current, "__wrapped__", current)
-    original = getattr(original, "__func__", original)
-    code = getattr(original, "__code__", None)
-    if code is None:
-        return f"expected VllmHiddenStatesGenerator.__init__ to be a Python function; found {current!r}"
-    if "MultiprocExecutor" not in code.co_names:
+def _probe_executor_class(current):
+    init = getattr(sys.modules[GENERATOR].VllmHiddenStatesGenerator, "__init__", None)
+    init = getattr(init, "__wrapped__", init)
+    code = getattr(init, "__code__", None)
+    if code is None or "MultiprocExecutor" not in code.co_names:
         return "expected VllmHiddenStatesGenerator.__init__ to build MultiprocExecutor by name; it does not"
-    if "MultiprocExecutor" not in vars(sys.modules[GENERATOR]):
-        return "expected the generator module to import MultiprocExecutor; not found"
+    if not isinstance(current, type):
+        return f"expected the generator module's MultiprocExecutor to be vLLM's class; found {current!r}"
     get_class = import_attr("vllm.v1.executor.abstract", "Executor.get_class")
     params = parameters(get_class)
     if params is None or list(params)[:1] != ["vllm_config"]:
@@ -290,6 +286,14 @@ def _probe_spawn_context(current):
 
 PATCHES = [
     wrapper_patch(
+        "generator-construction",
+        "executor",
+        GENERATOR,
+        "VllmHiddenStatesGenerator.__init__",
+        _mark_construction,
+        _probe_generator_init,
+    ),
+    wrapper_patch(
         "executor-backend",
         "executor",
         GENERATOR,
@@ -302,9 +306,10 @@ PATCHES = [
         "executor-class",
         "executor",
         GENERATOR,
-        "VllmHiddenStatesGenerator.__init__",
-        _generator_init,
-        _probe_generator_init,
+        "MultiprocExecutor",
+        _executor_class,
+        _probe_executor_class,
+        requires=("generator-construction",),  # it acts only while a generator is built
     ),
     wrapper_patch(
         "worker-spawn",
@@ -314,6 +319,6 @@ PATCHES = [
         _spawn_context,
         _probe_spawn_context,
         calls=(Call(EXECUTOR, "get_mp_context"),),
-        requires=("executor-class",),  # it marks the construction (CONSTRUCTING)
+        requires=("generator-construction",),  # it acts only while a generator is built
     ),
 ]

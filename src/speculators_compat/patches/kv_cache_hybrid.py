@@ -49,7 +49,7 @@ def _unify_unless_mixed(wrapped, instance, args, kwargs):
 
 
 def calling_generator_config():
-    """The ``VllmConfig`` of the generator whose ``__init__`` is running (executor-class marks it)."""
+    """The ``VllmConfig`` of the generator whose ``__init__`` is running (generator-construction marks it)."""
     from .executor import CONSTRUCTING
 
     owner = CONSTRUCTING.get()
@@ -121,7 +121,7 @@ PATCHES = [
         _groups_for_mixed,
         _probe_groups,
         calls=(GROUPS_FORMS, UNIFORM_FORMS),
-        # mixed specs reach it only when left un-unified; executor-class marks the generator being built
-        requires=("kv-cache-hybrid-unify", "executor-class"),
+        # mixed specs reach it only when left un-unified; generator-construction marks the generator being built
+        requires=("kv-cache-hybrid-unify", "generator-construction"),
     ),
 ]
