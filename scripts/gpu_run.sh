@@ -16,7 +16,7 @@
 # GPU, in parallel; then the throughput benchmark (shim vs native prefill).
 # JOB_SHAPE / JOB_ARGS / JOB_TAG: the job step's model shape, extra arguments (e.g. --fp8-side: the script with FP8
 # storage as a third side) and result-name suffix.
-# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "capture" (capture cost at hidden 4096: 3 layers vs 1), "capture32" (the same at the 8B-like 32-layer shape, 4 layers vs 1, batch 64 and 128), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "hybrid" (Qwen3.5 / Qwen3-Next tiny e2e cells), "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
+# GPU_STEPS selects: "e2e bench" (default), "start" (a worker that cannot start: its cause in the caller's error), "pipeoff" (shim alone, serial vs pipelined driver), "bench16" (16 layers, 7 reps), "noasync" (native without async scheduling), "hook" (hook micro-benchmark), "tp2" (TP=2 + Llava; kind nvidia-h200-x2), "job" (speculators' script end to end vs the generator alone), "save" (the save path beside a busy Python thread, and the disk), "capture" (capture cost at hidden 4096: 3 layers vs 1), "capture32" (the same at the 8B-like 32-layer shape, 4 layers vs 1, batch 64 and 128), "selfcheck" (the self-check's cost at an 8B-like shape), "nopin", "hybrid" (Qwen3.5 / Qwen3-Next tiny e2e cells), "mla" / "mlaref" / "kimi" / "int4" (DeepSeek-V3 / Kimi-K2.5 tiny / Kimi-K2.5 INT4 W4A16, need the MoE kernels:
 # MOE=1 scripts/gpu_prepare.sh writes .gpu-moe/; carry it in a second call on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -234,6 +234,12 @@ if [[ " $STEPS " == *" job "* ]]; then
     --script-timeout 150 --out "$OUT/job_throughput_h200${JOB_TAG:-}.json" > "$OUT/job_throughput_h200${JOB_TAG:-}.log" 2>&1; echo "job rc=$?"
   for f in "$SCRATCH"/job/*.script.log; do [ -f "$f" ] && cp "$f" "$OUT/job_$(basename "$f" .script.log)_script.log"; done
   rm -rf "$SCRATCH/job"
+fi
+if [[ " $STEPS " == *" save "* ]]; then
+  echo "== the save path beside a busy Python thread (benchmarks/save_interference.py) and the disk's write speed"
+  for d in "$SCRATCH" .; do dd if=/dev/zero of="$d/ddtest" bs=64M count=64 conv=fdatasync 2>&1 | tail -1; rm -f "$d/ddtest"; done
+  PYTHONPATH=$PWD/src:$PWD/testbed timeout 50 python3 benchmarks/save_interference.py --reps 3 --dir "$SCRATCH" \
+    --out "$OUT/save_interference_h200.json" > "$OUT/save_interference_h200.log" 2>&1; echo "save rc=$?"
 fi
 if [[ " $STEPS " == *" selfcheck "* ]]; then
   echo "== the self-check's cost at an 8B-like shape (hidden 4096 x 32 layers, 4 captured): same generator, check on vs off, alternating"
