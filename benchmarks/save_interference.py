@@ -5,9 +5,10 @@ saves on ``--workers`` threads. Samples of the 8B-like shape (``--tokens`` x ``-
 ``--layers`` bf16) are submitted at ``--rate-gbs`` (the generator's output rate; 0 = as fast as the
 threads go) while the main thread counts loop turns; reported per mode: the loop's rate over its
 rate with nothing saved, and the bytes saved per second. Modes alternate, a warm-up round apart:
-``hashing`` (the shim's: torch.save through a writer that SHA-256s what passes), ``file`` (the
-same file object, no hash), ``path`` (torch.save to a path: its own C++ writer), ``path+rehash``
-(path, then SHA-256 of the file read back on the same thread). Files go to ``--dir`` (default
+``shim`` (``output.save_tensor_file`` as installed), ``writer+hash`` (the shim's save up to
+2025ac5: torch.save through a file object that SHA-256s what passes), ``file`` (a plain file
+object), ``path`` (torch.save to a path: its own C++ writer), ``path+read-hash`` (path, then
+SHA-256 of the file read back in 4 MiB chunks). Files go to ``--dir`` (default
 $TMPDIR): a second disk shows its own speed.
 
     python benchmarks/save_interference.py --out benchmarks/results/cpu/save_interference.json
@@ -16,6 +17,7 @@ $TMPDIR): a second disk shows its own speed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -27,7 +29,29 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MODES = ("idle", "hashing", "file", "path", "path+rehash")
+MODES = ("idle", "shim", "writer+hash", "file", "path", "path+read-hash")
+
+
+class _HashingWriter:
+    """The shim's save path up to src tree 2025ac5: a file object that hashes what passes."""
+
+    def __init__(self, f):
+        self._f, self.sha = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _read_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def savers(folder: Path):
@@ -35,8 +59,12 @@ def savers(folder: Path):
 
     from speculators_compat import output
 
-    def hashing(obj, i):
-        output.save_tensor_file(obj, folder / f"h{i}.pt")
+    def shim(obj, i):
+        output.save_tensor_file(obj, folder / f"s{i}.pt")
+
+    def writer_hash(obj, i):
+        with open(folder / f"h{i}.pt", "wb") as f:
+            torch.save(obj, _HashingWriter(f))
 
     def file(obj, i):
         with open(folder / f"f{i}.pt", "wb") as f:
@@ -45,12 +73,12 @@ def savers(folder: Path):
     def path(obj, i):
         torch.save(obj, str(folder / f"p{i}.pt"))
 
-    def path_rehash(obj, i):
+    def path_read_hash(obj, i):
         p = folder / f"r{i}.pt"
         torch.save(obj, str(p))
-        output.file_sha256(p)
+        _read_hash(p)
 
-    return {"hashing": hashing, "file": file, "path": path, "path+rehash": path_rehash}
+    return {"shim": shim, "writer+hash": writer_hash, "file": file, "path": path, "path+read-hash": path_read_hash}
 
 
 def spin(stop: threading.Event, out: list) -> None:
@@ -107,7 +135,7 @@ def main() -> int:
     try:
         fns = savers(folder)
         idle_s = args.samples * nbytes / (args.rate_gbs * 1e9) if args.rate_gbs else 1.0
-        trial(fns["hashing"], sample, nbytes, 8, args.workers, 0.0, 0.0)  # warm-up
+        trial(fns["shim"], sample, nbytes, 8, args.workers, 0.0, 0.0)  # warm-up
         runs: dict[str, list] = {m: [] for m in MODES}
         for _ in range(args.reps):
             for m in MODES:
