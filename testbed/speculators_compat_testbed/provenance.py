@@ -199,7 +199,7 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
     if root is None:
         out["reason"] = f"speculators_compat is not imported from a source checkout ({_PACKAGE.name} is installed)"
         return out
-    if not (root / ".git").exists():
+    if not (root / ".git").exists() or _stamped_after_git(root):
         return _from_files(root, out, matrix)
     try:
         commit = _git(root, "rev-parse", "HEAD").strip()
@@ -218,6 +218,22 @@ def provenance(command: str | list[str] | None = None, root: Path | None = None)
     if changed:
         out["dirty_files"] = changed[:20]
     return out
+
+
+def _stamped_after_git(root: Path) -> bool:
+    """True where ``.checkout.json`` names a commit this copy's .git does not hold: a copy whose
+    .git is older than its work tree (the device tool's), where git would describe the old commit."""
+    import json
+
+    try:
+        commit = str(json.loads((root / STAMP).read_text())["commit"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    try:
+        _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return True
+    return False
 
 
 def _testbed_tree(root: Path, commit: str) -> str | None:

@@ -144,3 +144,21 @@ def test_scrub_paths_after_an_escaped_newline(tmp_path):
     # a path inside a word is not a machine path (a/work/b), nor is an escape alone
     assert prov.scrub_paths("a" + s + "work/b", root) == "a" + s + "work/b"
     assert prov.scrub_paths("a\\nb", root) == "a\\nb"
+
+
+def test_a_stamp_of_a_commit_the_copys_git_lacks_binds_to_the_stamp(tmp_path):
+    # the device's copy: the work tree of a newer commit over an older .git
+    repo = _tiny_repo(tmp_path / "r")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    want = prov.tree_id(repo / "src")
+    (repo / prov.STAMP).write_text(json.dumps({"commit": head, "src_tree": want}))
+    p = prov.provenance("t", root=repo)
+    assert p["commit"] == head and p["dirty"] is False and "src_tree_from" not in p, p
+    (repo / prov.STAMP).write_text(json.dumps({"commit": "f" * 40, "src_tree": want}))
+    p = prov.provenance("t", root=repo)
+    assert p["commit"] == "f" * 40 and p["src_tree"] == want and p["src_tree_from"] == "files", p
+    assert p["dirty"] is False, p
+    (repo / "src" / "a.py").write_text("x = 2\n")
+    p = prov.provenance("t", root=repo)
+    assert p["commit"] == "f" * 40 and p["dirty"] is True and p["src_tree"] != want, p
