@@ -3,8 +3,7 @@
 A data folder holds ``data_N.pt`` files, a manifest (``speculators_compat_manifest.jsonl``) and
 speculators' ``sample_lengths.json`` / ``data_config.json``. Each file is written under a hidden
 temporary name in the same folder and renamed when complete; only then does the manifest gain
-its line (index, tokens, layer ids, bytes, SHA-256); a data file is written inside a hidden
-temporary folder, so torch names its archive as speculators' own ``torch.save`` does. The manifest's first line names what
+its line (index, tokens, layer ids, bytes, SHA-256). The manifest's first line names what
 produces the data; a resume with anything else is refused in one line. ``verify`` checks a folder
 against its manifest. Nothing here imports vLLM; torch only when a file is written.
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import mmap
 import os
 import re
 import threading
@@ -123,48 +121,38 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
         f.write(data)
 
 
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through (torch.save writes
+    its zip archive sequentially)."""
+
+    def __init__(self, f):
+        self._f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
-    """``torch.save(obj, path)`` by torch's own file writer (it copies the tensors without holding
-    the GIL) into a hidden folder beside ``path``, then renamed; returns (bytes, sha256 hex). The
-    archive inside is named after ``path`` as speculators' own ``torch.save`` names it, so the
-    bytes depend only on ``obj`` and the file's name."""
+    """``torch.save(obj)`` to ``path`` through a temporary name; returns (bytes, sha256 hex)."""
     import torch
 
-    folder = _tmp_name(path)
-    folder.mkdir(exist_ok=True)
-    tmp = folder / path.name
-    try:
-        torch.save(obj, str(tmp))
-        size, sha = _digest(tmp, fsync)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-    if fsync:
-        _fsync_dir(path.parent)
-    return size, sha
-
-
-def _digest(path: Path, fsync: bool = False) -> tuple[int, str]:
-    """(bytes, sha256 hex) of a file, hashed in one call over its mapping (the GIL released)."""
-    fd = os.open(path, os.O_RDWR if fsync else os.O_RDONLY)
-    try:
-        if fsync:
-            os.fsync(fd)
-        size = os.fstat(fd).st_size
-        if not size:
-            return 0, hashlib.sha256().hexdigest()
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
-            return size, hashlib.sha256(view).hexdigest()
-    finally:
-        os.close(fd)
+    with _atomic(path, fsync) as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+    return w.size, w.sha.hexdigest()
 
 
 def file_sha256(path: Path) -> str:
-    return _digest(path)[1]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class Manifest:

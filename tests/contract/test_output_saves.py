@@ -4,7 +4,6 @@ failed save stops the loop with its cause instead of being lost in a thread."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 
@@ -40,35 +39,10 @@ def test_saved_files_load_back_and_match_their_record(tmp_path):
     assert not list(tmp_path.glob(".speculators_compat.*"))
 
 
-def test_the_same_sample_gives_the_same_bytes_as_torch_save(tmp_path):
-    # a resumed run rewrites a file byte for byte, and each file is the one speculators' own
-    # torch.save(obj, path) writes (the archive named after the file, not after a temporary name)
-    for folder in ("a", "b", "plain"):
-        (tmp_path / folder).mkdir()
-    a = output.save_tensor_file(sample(7), tmp_path / "a" / "data_3.pt")
-    b = output.save_tensor_file(sample(7), tmp_path / "b" / "data_3.pt", fsync=True)
-    torch.save(sample(7), str(tmp_path / "plain" / "data_3.pt"))
-    data = (tmp_path / "plain" / "data_3.pt").read_bytes()
-    assert a == b == (len(data), hashlib.sha256(data).hexdigest())
-    assert (tmp_path / "a" / "data_3.pt").read_bytes() == data
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "data_3.pt", "data_3.pt", "data_3.pt", "plain"]
-
-
-def test_a_failed_save_leaves_neither_file_nor_temporary(tmp_path):
-    class Unpicklable:
-        def __reduce__(self):
-            raise TypeError("cannot pickle this")
-
-    with pytest.raises(TypeError, match="cannot pickle"):
-        output.save_tensor_file({"x": torch.ones(3), "bad": Unpicklable()}, tmp_path / "data_0.pt")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_file_sha256_of_empty_and_written_files(tmp_path):
-    (tmp_path / "e").write_bytes(b"")
-    (tmp_path / "f").write_bytes(b"x" * 5000)
-    assert output.file_sha256(tmp_path / "e") == hashlib.sha256(b"").hexdigest()
-    assert output.file_sha256(tmp_path / "f") == hashlib.sha256(b"x" * 5000).hexdigest()
+def test_the_same_sample_gives_the_same_bytes(tmp_path):
+    a = output.save_tensor_file(sample(7), tmp_path / "a.pt")
+    b = output.save_tensor_file(sample(7), tmp_path / "b.pt")
+    assert a == b and (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
 
 
 def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):
