@@ -229,6 +229,10 @@ def _stamped_after_git(root: Path) -> bool:
         commit = str(json.loads((root / STAMP).read_text())["commit"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    try:  # a git that cannot read this .git (missing, refused) says so through the git path
+        _git(root, "rev-parse", "HEAD")
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return False
     try:
         _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
     except (OSError, RuntimeError, subprocess.SubprocessError):
