@@ -348,6 +348,8 @@ def stamp(root: Path | None = None) -> Path:
     root = Path(root) if root is not None else repo_root()
     if root is None:
         raise RuntimeError("not a source checkout")
+    if (root / ".git").exists():  # a stamp describes git's HEAD, never an earlier stamp
+        (root / STAMP).unlink(missing_ok=True)
     info = provenance("stamp", root=root)
     if info.get("dirty") or not info.get("commit"):
         raise RuntimeError(f"refusing to stamp: {info.get('dirty_files') or info.get('reason')}")

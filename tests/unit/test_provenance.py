@@ -159,6 +159,9 @@ def test_a_stamp_of_a_commit_the_copys_git_lacks_binds_to_the_stamp(tmp_path):
     p = prov.provenance("t", root=repo)
     assert p["commit"] == "f" * 40 and p["src_tree"] == want and p["src_tree_from"] == "files", p
     assert p["dirty"] is False, p
+    # stamping again describes git's HEAD, not the stamp it replaces
+    assert json.loads(prov.stamp(repo).read_text())["commit"] == head
+    (repo / prov.STAMP).write_text(json.dumps({"commit": "f" * 40, "src_tree": want}))
     (repo / "src" / "a.py").write_text("x = 2\n")
     p = prov.provenance("t", root=repo)
     assert p["commit"] == "f" * 40 and p["dirty"] is True and p["src_tree"] != want, p
