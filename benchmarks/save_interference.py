@@ -8,7 +8,7 @@ rate with nothing saved, and the bytes saved per second. Modes alternate, a warm
 ``shim`` (``output.save_tensor_file`` as installed), ``writer+hash`` (the shim's save up to
 2025ac5: torch.save through a file object that SHA-256s what passes), ``file`` (a plain file
 object), ``path`` (torch.save to a path: its own C++ writer), ``path+read-hash`` (path, then
-SHA-256 of the file read back in 4 MiB chunks), ``path+readinto-hash`` (the candidate next save path: a
+``output.file_sha256`` of the file read back), ``path+readinto-hash`` (the candidate next save path: a
 temporary name not ending in ``pt`` in a hidden folder, SHA-256 through one reused 4 MiB buffer). Files go to ``--dir`` (default
 $TMPDIR): a second disk shows its own speed.
 
@@ -34,7 +34,7 @@ MODES = ("idle", "shim", "writer+hash", "file", "path", "path+read-hash", "path+
 
 
 class _HashingWriter:
-    """The shim's save path up to src tree 2025ac5: a file object that hashes what passes."""
+    """The shim's save path at src tree 2025ac5, kept here as a fixed baseline: a file object that hashes what passes."""
 
     def __init__(self, f):
         self._f, self.sha = f, hashlib.sha256()
@@ -45,14 +45,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def _read_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _readinto_hash(path: Path, buf: bytearray) -> str:
@@ -87,7 +79,7 @@ def savers(folder: Path):
     def path_read_hash(obj, i):
         p = folder / f"r{i}.pt"
         torch.save(obj, str(p))
-        _read_hash(p)
+        output.file_sha256(p)
 
     local = threading.local()
 
