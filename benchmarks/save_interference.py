@@ -5,7 +5,8 @@ saves on ``--workers`` threads. Samples of the 8B-like shape (``--tokens`` x ``-
 ``--layers`` bf16) are submitted at ``--rate-gbs`` (the generator's output rate; 0 = as fast as the
 threads go) while the main thread counts loop turns; reported per mode: the loop's rate over its
 rate with nothing saved, and the bytes saved per second. Modes alternate, a warm-up round apart:
-``shim`` (``output.save_tensor_file`` as installed), ``writer+hash`` (the shim's save up to
+``shim`` (``output.save_tensor_file`` as installed, on ``--workers`` threads), ``shim@save_workers``
+(the same on ``output.save_workers(--workers)`` threads, as the script's run uses), ``writer+hash`` (the shim's save up to
 2025ac5: torch.save through a file object that SHA-256s what passes), ``file`` (a plain file
 object), ``path`` (torch.save to a path: its own C++ writer), ``path+read-hash`` (path, then
 ``output.file_sha256`` of the file read back), ``path+readinto-hash`` (the candidate next save path: a
@@ -30,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MODES = ("idle", "shim", "writer+hash", "file", "path", "path+read-hash", "path+readinto-hash")
+MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash", "path+readinto-hash")
 
 
 class _HashingWriter:
@@ -97,7 +98,7 @@ def savers(folder: Path):
         os.replace(tmp, folder / f"data_{i}.pt")
         tmp_dir.rmdir()
 
-    return {"path+readinto-hash": path_readinto_hash, "shim": shim, "writer+hash": writer_hash, "file": file, "path": path, "path+read-hash": path_read_hash}
+    return {"path+readinto-hash": path_readinto_hash, "shim": shim, "shim@save_workers": shim, "writer+hash": writer_hash, "file": file, "path": path, "path+read-hash": path_read_hash}
 
 
 def spin(stop: threading.Event, out: list) -> None:
@@ -145,6 +146,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
+    from speculators_compat import output
     from speculators_compat_testbed.provenance import provenance
 
     sample = {"input_ids": torch.arange(args.tokens), "loss_mask": torch.ones(args.tokens, dtype=torch.long),
@@ -158,7 +160,8 @@ def main() -> int:
         runs: dict[str, list] = {m: [] for m in MODES}
         for _ in range(args.reps):
             for m in MODES:
-                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, args.workers, args.rate_gbs, idle_s))
+                workers = output.save_workers(args.workers) if m == "shim@save_workers" else args.workers
+                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, workers, args.rate_gbs, idle_s))
                 for p in folder.iterdir():
                     p.unlink()
     finally:
@@ -167,6 +170,7 @@ def main() -> int:
     summary = {m: {"loop_rate_vs_idle": round(statistics.median(r["loop_per_s"] for r in v) / base, 4),
                    "gb_per_s": round(statistics.median(r["gb_per_s"] for r in v), 3)} for m, v in runs.items()}
     result = {"benchmark": "save_interference", "provenance": provenance(), "cpu_count": os.cpu_count(),
+              "save_workers": output.save_workers(args.workers),
               "settings": {**vars(args), "dir": "TMPDIR" if args.dir is None else "given", "sample_bytes": nbytes},
               "summary": summary, "runs": runs}
     for m, s in summary.items():

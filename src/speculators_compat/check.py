@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from xml.sax.saxutils import escape, quoteattr
 
 from .layers import ADAPTERS, adapter_for
-from .patches._signatures import GENERATOR, WORKER, first_binding, import_attr, require_params
+from .patches._signatures import EXECUTOR as _EXEC, GENERATOR, WORKER, first_binding, import_attr, require_params
 from .patches.speculators_script import CONFIG_GENERATOR, PREPROCESSING
 from .registry import Call
 
@@ -138,7 +138,6 @@ NAME_SITES: list[tuple[str, Callable[[], str | None]]] = [
 ]
 
 _KCU = "vllm.v1.core.kv_cache_utils"
-_EXEC = "vllm.v1.executor.multiproc_executor"
 _SCHED = "vllm.v1.core.sched.scheduler"
 
 # Calls speculators' code makes that no shim patch rewrites (G: generator, W: worker extension,

@@ -4,6 +4,10 @@ failed save stops the loop with its cause instead of being lost in a thread."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -40,9 +44,61 @@ def test_saved_files_load_back_and_match_their_record(tmp_path):
 
 
 def test_the_same_sample_gives_the_same_bytes(tmp_path):
-    a = output.save_tensor_file(sample(7), tmp_path / "a.pt")
-    b = output.save_tensor_file(sample(7), tmp_path / "b.pt")
-    assert a == b and (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = output.save_tensor_file(sample(7), tmp_path / "a" / "data_1.pt")
+    b = output.save_tensor_file(sample(7), tmp_path / "b" / "data_1.pt")
+    assert a == b and (tmp_path / "a" / "data_1.pt").read_bytes() == (tmp_path / "b" / "data_1.pt").read_bytes()
+
+
+def test_the_bytes_are_those_of_torch_save_to_the_same_name(tmp_path):
+    (tmp_path / "ref").mkdir()
+    torch.save(sample(9, seed=5), str(tmp_path / "ref" / "data_3.pt"))
+    size, sha = output.save_tensor_file(sample(9, seed=5), tmp_path / "data_3.pt")
+    data = (tmp_path / "data_3.pt").read_bytes()
+    assert data == (tmp_path / "ref" / "data_3.pt").read_bytes()
+    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data_3.pt", "ref"]
+
+
+def test_a_failed_save_leaves_nothing(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise OSError(28, "No space left on device")
+
+    obj = sample(64)
+    obj["z"] = Unpicklable()  # after the tensors: torch has written part of the file when it fails
+    with pytest.raises(OSError, match="No space left"):
+        output.save_tensor_file(obj, tmp_path / "data_0.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+_CRASH = """
+import os, sys, torch
+from pathlib import Path
+from speculators_compat import output
+os.replace = lambda *a: os._exit(9)  # killed after torch wrote the whole file, before the rename
+g = torch.Generator().manual_seed(0)
+output.save_tensor_file({"hidden_states": [torch.randn(256, 64, generator=g)]}, Path(sys.argv[1]) / "data_0.pt")
+"""
+
+
+def test_a_save_cut_off_by_a_crash_is_not_a_training_file(tmp_path):
+    data = pytest.importorskip("speculators.train.data")
+    run = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 9, run.stderr
+    left = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert left and all(p.stat().st_size > 0 for p in left)  # the cut-off save is there ...
+    assert not any(p.name.endswith("pt") for p in left)
+    assert data.list_files(tmp_path) == []  # ... and speculators' training loader does not take it
+    swept = list(tmp_path.glob(output._TMP_PREFIX + "*"))  # what the next run's start removes
+    assert all(any(d in p.parents for d in swept) for p in left), (left, swept)
+
+
+def test_save_threads_cover_the_hash():
+    assert output.save_workers(4) >= 4 and output.save_workers(16) == 16 and output.save_workers(0) >= 1
+    if len(os.sched_getaffinity(0)) >= 16:  # a GPU host: more threads than the script's 4 hash
+        assert output.save_workers(4) == 8
 
 
 def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):

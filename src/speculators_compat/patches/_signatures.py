@@ -8,6 +8,7 @@ from typing import Any
 
 GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER = "speculators.data_generation.custom_worker"
+EXECUTOR = "vllm.v1.executor.multiproc_executor"
 
 
 def parameters(obj: Any) -> dict[str, inspect.Parameter] | None:

@@ -15,9 +15,8 @@ from ..extraction.driver import generate
 from ..extraction.errors import ExtractionError
 from ..extraction.steps import executor_takes_futures
 from ..registry import wrapper_patch
-from ._signatures import GENERATOR, import_attr, parameters
+from ._signatures import EXECUTOR, GENERATOR, import_attr, parameters
 
-EXECUTOR = "vllm.v1.executor.multiproc_executor"
 
 __all__ = ["ExtractionError", "PATCHES", "generate"]
 
@@ -38,7 +37,7 @@ def _probe_generate(current):
     for name in ("schedule", "update_from_output", "add_request", "has_unfinished_requests", "get_num_unfinished_requests"):
         if not callable(getattr(sched, name, None)):
             return f"expected Scheduler.{name}(); not found"
-    executor = import_attr("vllm.v1.executor.multiproc_executor", "MultiprocExecutor")
+    executor = import_attr(EXECUTOR, "MultiprocExecutor")
     for name in ("execute_model", "collective_rpc"):
         if not callable(getattr(executor, name, None)):
             return f"expected MultiprocExecutor.{name}(); not found"

@@ -17,7 +17,7 @@ import sys
 from .. import settings
 from ..registry import Call, wrapper_patch
 from ..extraction.steps import executor_takes_futures
-from ._signatures import GENERATOR, import_attr, parameters, require_params
+from ._signatures import EXECUTOR, GENERATOR, import_attr, parameters, require_params
 
 EXECUTORS = ("mp", "ray")
 
@@ -243,7 +243,6 @@ def _probe_executor_class(current):
 
 # -- worker-spawn: the workers' start method ---------------------------------------------------
 
-EXECUTOR = "vllm.v1.executor.multiproc_executor"
 SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 

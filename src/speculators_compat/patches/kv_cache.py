@@ -9,9 +9,8 @@ built. Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 from __future__ import annotations
 
 from ..registry import Call, wrapper_patch
-from ._signatures import GENERATOR, first_binding, import_attr, parameters, require_params
+from ._signatures import EXECUTOR, GENERATOR, first_binding, import_attr, parameters, require_params
 
-EXECUTOR = "vllm.v1.executor.multiproc_executor"
 ATTN_UTILS = "vllm.v1.attention.backends.utils"
 
 # get_kv_cache_config_from_groups as the adapter calls it: with kv_cache_specs where accepted (0.11)
@@ -92,7 +91,7 @@ def _setup_capture_then_resolve_layout(wrapped, instance, args, kwargs):
 def _probe_layout(current):
     try:
         fn = import_attr("vllm.v1.attention.backends.utils", "resolve_kv_cache_layout")
-        executor_cls = import_attr("vllm.v1.executor.multiproc_executor", "MultiprocExecutor")
+        executor_cls = import_attr(EXECUTOR, "MultiprocExecutor")
     except (ImportError, AttributeError) as exc:
         return f"expected vllm.v1.attention.backends.utils.resolve_kv_cache_layout; found none ({exc})"
     problem = require_params(fn, ("vllm_config", "supported_layouts"), "resolve_kv_cache_layout")

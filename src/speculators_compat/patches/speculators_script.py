@@ -296,7 +296,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
         return coded, ({"fp8_rel_error": storage.measured(obj, coded)} if (index - first) % FP8_MEASURE_EVERY == 0
                        else {})
 
-    queue = output.SaveQueue(manifest, int(script.get("MAX_IO_WORKERS", 4)), limit, fsync, saved,
+    queue = output.SaveQueue(manifest, output.save_workers(int(script.get("MAX_IO_WORKERS", 4))), limit, fsync, saved,
                              encode if store else None)
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))

@@ -21,9 +21,8 @@ import time
 import traceback
 
 from ..registry import Patch, wrapper_patch
-from ._signatures import import_attr
+from ._signatures import EXECUTOR as MULTIPROC, import_attr
 
-MULTIPROC = "vllm.v1.executor.multiproc_executor"
 FOLDER_ENV = "SPECULATORS_COMPAT_WORKER_CAUSES"  # the caller's folder for this start, read by its workers
 START_FAILED = "WorkerProc failed to start"  # vLLM's log line in worker_main
 INIT_FAILED = "WorkerProc initialization failed"  # vLLM's exception in wait_for_ready
