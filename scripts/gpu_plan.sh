@@ -10,7 +10,7 @@
 # install (~30 s) added by INSTALL_S. The first 8B-shape step of a machine (selfcheck, capture_b*)
 # also builds that model (~120 s, in selfcheck's and job's estimates; job: the script vs the generator,
 # carry .gpu/job-whl; session 28's 335 s limit ended it after its warm-up). save: the save path's
-# interference benchmark and the disk's write speed (torch only). One rehearsal per step: two engines
+# interference benchmark, paced and unpaced, and the disk's write speed (torch only). One rehearsal per step: two engines
 # starting at once on one GPU break vLLM's memory profiling (logs/s27: Kimi-K2.5 beside DeepSeek-V3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ t0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 INSTALL_S=${INSTALL_S:-30}
 OUT=${OUT:-${TMPDIR:-/tmp}/out}; mkdir -p "$OUT"
-declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek-v3]=200 [rehearse_kimi-k2.5]=240 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300 [job]=480 [save]=60)
+declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek-v3]=200 [rehearse_kimi-k2.5]=240 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300 [job]=480 [save]=200)
 step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exports
   case $1 in
     e2e) echo "export GPU_STEPS=e2e" ;;

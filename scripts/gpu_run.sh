@@ -238,8 +238,11 @@ fi
 if [[ " $STEPS " == *" save "* ]]; then
   echo "== the save path beside a busy Python thread (benchmarks/save_interference.py) and the disk's write speed"
   for d in "$SCRATCH" .; do dd if=/dev/zero of="$d/ddtest" bs=64M count=64 conv=fdatasync 2>&1 | tail -1; rm -f "$d/ddtest"; done
-  PYTHONPATH=$PWD/src:$PWD/testbed timeout 50 python3 benchmarks/save_interference.py --reps 3 --dir "$SCRATCH" \
+  PYTHONPATH=$PWD/src:$PWD/testbed timeout 110 python3 benchmarks/save_interference.py --reps 3 --dir "$SCRATCH" \
     --out "$OUT/save_interference_h200.json" > "$OUT/save_interference_h200.log" 2>&1; echo "save rc=$?"
+  # unpaced: as fast as the threads go, so the save path's own ceiling shows (session 29: the hash on 4 threads)
+  PYTHONPATH=$PWD/src:$PWD/testbed timeout 130 python3 benchmarks/save_interference.py --reps 4 --rate-gbs 0 --samples 64 \
+    --dir "$SCRATCH" --out "$OUT/save_interference_h200_unpaced.json" > "$OUT/save_interference_h200_unpaced.log" 2>&1; echo "save unpaced rc=$?"
 fi
 if [[ " $STEPS " == *" selfcheck "* ]]; then
   echo "== the self-check's cost at an 8B-like shape (hidden 4096 x 32 layers, 4 captured): same generator, check on vs off, alternating"
