@@ -126,13 +126,22 @@ _BUFFER = threading.local()  # each save thread's read buffer for hashing, reuse
 
 
 def save_workers(script_workers: int) -> int:
-    """Save threads for a run: the script's own count, or half the usable cores (at most 8) where
-    that is more, so SHA-256 (about 0.4 GB/s a thread) keeps up with a disk of a few GB/s."""
+    """Save threads for a bf16 run: the script's own count, or half the usable cores (at most 8)
+    where that is more, so SHA-256 (about 0.4 GB/s a thread) keeps up with a disk of a few GB/s."""
+    return max(1, script_workers, min(8, _usable_cores() // 2))
+
+
+def _usable_cores() -> int:
+    """Cores this process may use: its CPU affinity, within a cgroup v2 quota (a container's)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, script_workers, min(8, cores // 2))
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    return cores
 
 
 def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
@@ -146,11 +155,15 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     folder.mkdir(exist_ok=True)
     tmp = folder / f"{path.stem}.tmp"
     try:
-        torch.save(obj, str(tmp))
+        try:
+            torch.save(obj, str(tmp))
+        except RuntimeError as exc:  # torch's file writer says "iostream error", no errno, no path
+            raise OSError(f"torch.save to {tmp} failed: {exc} ({_free(folder)} free on its file system)") from exc
         size, sha = _digest(tmp, fsync)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
     finally:
         with contextlib.suppress(OSError):
@@ -158,6 +171,14 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     if fsync:
         _fsync_dir(path.parent)
     return size, sha
+
+
+def _free(folder: Path) -> str:
+    try:
+        st = os.statvfs(folder)
+    except OSError as exc:
+        return f"unknown space ({exc.strerror})"
+    return f"{st.f_bavail * st.f_frsize / 1e9:.2f} GB"
 
 
 def _digest(path: Path, fsync: bool = False) -> tuple[int, str]:

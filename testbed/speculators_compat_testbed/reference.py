@@ -812,6 +812,44 @@ def compare(
     return rep
 
 
+def _batch_rows(rep: CompareReport, pairs: dict, k: int, n_seq: int, token_ids: list | None):
+    """Every reference and captured row of the batch at compared layer ``k`` (where a wrong row may
+    come from), each sequence's first row's offset, and the token ids (None when they do not fit)."""
+    import torch
+
+    present = [t for t in range(n_seq) if (t, k) in pairs]
+    allref = torch.cat([pairs[(t, k)][1].detach().to("cpu", torch.float32) for t in present])
+    allcap = torch.cat([pairs[(t, k)][0].detach().to("cpu", torch.float32) for t in present])
+    offsets, at = {}, 0
+    for t in present:
+        offsets[t] = at
+        at += pairs[(t, k)][1].shape[0]
+    all_ids = None
+    if token_ids is not None:
+        all_ids = torch.cat([torch.as_tensor(list(token_ids[t]), dtype=torch.long) for t in present])
+        if all_ids.shape[0] != allref.shape[0]:
+            rep.problems.append(f"layer#{k}: {all_ids.shape[0]} token ids for {allref.shape[0]} rows")
+            all_ids = None
+    return allref, allcap, offsets, all_ids
+
+
+def _nearest_other(cf, over: list, allref, allcap, own_offset: int, all_ids):
+    """For each captured row ``cf[i]`` (i in ``over``): the distance to the nearest row of another
+    token, reference or capture (a copy of a neighbour's captured row - itself a flipped row,
+    possibly - is the same tensor as that row); rows of the same token id do not count."""
+    import torch
+
+    out = []
+    for i in over:
+        d = torch.minimum(torch.linalg.vector_norm(allref - cf[i], dim=-1),
+                          torch.linalg.vector_norm(allcap - cf[i], dim=-1))
+        d[own_offset + i] = float("inf")
+        if all_ids is not None:
+            d[all_ids == all_ids[own_offset + i]] = float("inf")
+        out.append(d.min())  # float32, divided by the row norm as before (min commutes with it)
+    return out
+
+
 def _explain(rep: CompareReport, pairs: dict, margins: list, layer_ids, dtype_name: str, tie: float,
              token_ids: list | None = None) -> None:
     """The near-tie pass of :func:`compare` (see there)."""
@@ -838,6 +876,7 @@ def _explain(rep: CompareReport, pairs: dict, margins: list, layer_ids, dtype_na
             rep.margin_quantiles = {"tokens": int(flat.numel()), "min": float(fin.min()), "p0.1": float(qs[0]),
                                     "p1": float(qs[1]), "p10": float(qs[2]), "p50": float(qs[3]),
                                     "below_tie": int((flat < tie).sum())}
+    batch_rows: dict = {}  # k -> every row of the batch at that layer (built once per layer)
     for s, per_k in enumerate(rep.errors):
         rep.errors_unexplained.append(list(per_k))
         rep.worst_unexplained.append([list(w) for w in rep.worst_rows[s]])
@@ -860,19 +899,13 @@ def _explain(rep: CompareReport, pairs: dict, margins: list, layer_ids, dtype_na
                     moe = []
             cf = c.detach().to("cpu", torch.float32)
             rf = r.detach().to("cpu", torch.float32)
-            # every reference row of the batch at this layer: where a wrong row may come from
-            present = [t for t in range(n_seq) if (t, k) in pairs]
-            allref = torch.cat([pairs[(t, k)][1].detach().to("cpu", torch.float32) for t in present])
-            allcap = torch.cat([pairs[(t, k)][0].detach().to("cpu", torch.float32) for t in present])
-            own_offset = sum(pairs[(t, k)][1].shape[0] for t in present if t < s)
-            all_ids = None
-            if token_ids is not None:
-                all_ids = torch.cat([torch.as_tensor(list(token_ids[t]), dtype=torch.long) for t in present])
-                if all_ids.shape[0] != allref.shape[0]:
-                    rep.problems.append(f"layer#{k}: {all_ids.shape[0]} token ids for {allref.shape[0]} rows")
-                    all_ids = None
+            if k not in batch_rows:
+                batch_rows[k] = _batch_rows(rep, pairs, k, n_seq, token_ids)
+            allref, allcap, offsets, all_ids = batch_rows[k]
+            own_offset = offsets[s]
+            nearest_d = _nearest_other(cf, over, allref, allcap, own_offset, all_ids)
             keep = torch.ones(rows.shape[0], dtype=torch.bool)
-            for i in over:
+            for n_i, i in enumerate(over):
                 err = float(rows[i])
                 entry = {"sequence": s, "layer_index": k, "layer": layer, "row": i, "error": err}
                 if moe:
@@ -883,14 +916,7 @@ def _explain(rep: CompareReport, pairs: dict, margins: list, layer_ids, dtype_na
                     entry["margin"], entry["margin_layer"] = float("inf"), None
                 nr = float(torch.linalg.vector_norm(rf[i])) or torch.finfo(torch.float32).tiny
                 ratio = float(torch.linalg.vector_norm(cf[i])) / nr
-                # nearest other token's row, reference or capture (a copy of a neighbour's captured
-                # row - itself a flipped row, possibly - is the same tensor as that row)
-                d = torch.minimum(torch.linalg.vector_norm(allref - cf[i], dim=-1),
-                                  torch.linalg.vector_norm(allcap - cf[i], dim=-1)) / nr
-                d[own_offset + i] = float("inf")
-                if all_ids is not None:
-                    d[all_ids == all_ids[own_offset + i]] = float("inf")
-                nearest = float(d.min())
+                nearest = float(nearest_d[n_i] / nr)
                 entry["norm_ratio"], entry["nearest_other_row"] = ratio, nearest
                 why = []
                 if not moe:

@@ -5,6 +5,7 @@ failed save stops the loop with its cause instead of being lost in a thread."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -67,9 +68,31 @@ def test_a_failed_save_leaves_nothing(tmp_path):
             raise OSError(28, "No space left on device")
 
     obj = sample(64)
-    obj["z"] = Unpicklable()  # after the tensors: torch has written part of the file when it fails
+    obj["z"] = Unpicklable()  # torch pickles first: it fails before the tensors, its archive begun
     with pytest.raises(OSError, match="No space left"):
         output.save_tensor_file(obj, tmp_path / "data_0.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+_FULL = """
+import json, resource, signal, sys, torch
+from pathlib import Path
+from speculators_compat import output
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (40000, 40000))  # the disk fills in the middle of the tensors
+try:
+    output.save_tensor_file({"hidden_states": [torch.ones(512, 64)]}, Path(sys.argv[1]) / "data_0.pt")
+    print(json.dumps(None))
+except Exception as exc:
+    print(json.dumps([type(exc).__name__, str(exc)]))
+"""
+
+
+def test_a_write_error_inside_torch_is_raised_with_the_file_and_leaves_nothing(tmp_path):
+    run = subprocess.run([sys.executable, "-c", _FULL, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    kind, message = json.loads(run.stdout.splitlines()[-1])
+    assert kind == "OSError" and "data_0.tmp" in message and "free on its file system" in message, message
     assert list(tmp_path.iterdir()) == []
 
 
@@ -91,14 +114,19 @@ def test_a_save_cut_off_by_a_crash_is_not_a_training_file(tmp_path):
     assert left and all(p.stat().st_size > 0 for p in left)  # the cut-off save is there ...
     assert not any(p.name.endswith("pt") for p in left)
     assert data.list_files(tmp_path) == []  # ... and speculators' training loader does not take it
+    assert output.data_files(tmp_path) == {}
     swept = list(tmp_path.glob(output._TMP_PREFIX + "*"))  # what the next run's start removes
     assert all(any(d in p.parents for d in swept) for p in left), (left, swept)
 
 
-def test_save_threads_cover_the_hash():
-    assert output.save_workers(4) >= 4 and output.save_workers(16) == 16 and output.save_workers(0) >= 1
-    if len(os.sched_getaffinity(0)) >= 16:  # a GPU host: more threads than the script's 4 hash
-        assert output.save_workers(4) == 8
+@pytest.mark.parametrize("cores, threads", [(2, 4), (8, 4), (12, 6), (16, 8), (128, 8)])
+def test_save_threads_cover_the_hash(monkeypatch, cores, threads):
+    monkeypatch.setattr(output, "_usable_cores", lambda: cores)
+    assert output.save_workers(4) == threads and output.save_workers(0) == max(1, min(8, cores // 2))
+
+
+def test_usable_cores_are_those_of_this_process():
+    assert 1 <= output._usable_cores() <= len(os.sched_getaffinity(0))
 
 
 def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):

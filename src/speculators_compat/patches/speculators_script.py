@@ -296,7 +296,8 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
         return coded, ({"fp8_rel_error": storage.measured(obj, coded)} if (index - first) % FP8_MEASURE_EVERY == 0
                        else {})
 
-    queue = output.SaveQueue(manifest, output.save_workers(int(script.get("MAX_IO_WORKERS", 4))), limit, fsync, saved,
+    workers = int(script.get("MAX_IO_WORKERS", 4))  # FP8: half the bytes to hash, encoding's copies on each thread
+    queue = output.SaveQueue(manifest, workers if store else output.save_workers(workers), limit, fsync, saved,
                              encode if store else None)
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
