@@ -2,7 +2,8 @@
 
 A data folder holds ``data_N.pt`` files, a manifest (``speculators_compat_manifest.jsonl``) and
 speculators' ``sample_lengths.json`` / ``data_config.json``. Each file is written under a hidden
-temporary name in the same folder and renamed when complete; only then does the manifest gain
+temporary name in the same folder (a data file: in a hidden folder there) and renamed when
+complete, a data file once its zip archive is whole; only then does the manifest gain
 its line (index, tokens, layer ids, bytes, SHA-256); no temporary name ends in ``pt``, the suffix
 speculators' training loader collects. The manifest's first line names what
 produces the data; a resume with anything else is refused in one line. ``verify`` checks a folder
@@ -123,6 +124,8 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
 
 
 _BUFFER = threading.local()  # each save thread's read buffer for hashing, reused
+_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # this process's cgroup v2 CPU quota, in a container
+_WRITE_FAILED = ("iostream", "unexpected pos", "file write failed")  # torch's file writer's words
 
 
 def save_workers(script_workers: int) -> int:
@@ -138,7 +141,7 @@ def _usable_cores() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     with contextlib.suppress(OSError, ValueError):
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = _CPU_MAX.read_text().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, -(-int(quota) // int(period))))
     return cores
@@ -157,9 +160,16 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     try:
         try:
             torch.save(obj, str(tmp))
-        except RuntimeError as exc:  # torch's file writer says "iostream error", no errno, no path
-            raise OSError(f"torch.save to {tmp} failed: {exc} ({_free(folder)} free on its file system)") from exc
+        except RuntimeError as exc:  # torch's file writer: "iostream error", no errno, no path
+            if not any(w in str(exc) for w in _WRITE_FAILED):
+                raise
+            raise OSError(f"saving {path.name} failed writing {tmp}: {exc} ({_free(folder)} free on its "
+                          "file system)") from exc
         size, sha = _digest(tmp, fsync)
+        problem = _archive_end_problem(tmp, size)
+        if problem:  # torch <= 2.9 closes the file unchecked: a lost tail raises nothing
+            raise OSError(f"saving {path.name} failed: {tmp} is cut short ({problem}; {_free(folder)} free on "
+                          "its file system)")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -171,6 +181,24 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     if fsync:
         _fsync_dir(path.parent)
     return size, sha
+
+
+def _archive_end_problem(path: Path, size: int) -> str | None:
+    """Why ``path`` (``size`` bytes) does not end as a whole zip archive does (the end record, no
+    comment, its central directory where it says), or None."""
+    if size < 22:
+        return f"{size} bytes"
+    with open(path, "rb") as f:
+        f.seek(size - 22)
+        end = f.read(22)
+        if end[:4] != b"PK\x05\x06" or end[20:22] != b"\0\0":
+            return "no end-of-archive record"
+        at = int.from_bytes(end[16:20], "little")
+        if at != 0xFFFFFFFF:  # else in the zip64 record
+            f.seek(at)
+            if at >= size - 22 or f.read(4) != b"PK\x01\x02":
+                return f"no central directory at byte {at}"
+    return None
 
 
 def _free(folder: Path) -> str:
