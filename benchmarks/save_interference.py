@@ -9,9 +9,9 @@ rate with nothing saved, and the bytes saved per second. Modes alternate, a warm
 (the same on ``output.save_workers(--workers)`` threads, as the script's run uses), ``writer+hash`` (the shim's save up to
 2025ac5: torch.save through a file object that SHA-256s what passes), ``file`` (a plain file
 object), ``path`` (torch.save to a path: its own C++ writer), ``path+read-hash`` (path, then
-``output.file_sha256`` of the file read back), ``path+readinto-hash`` (the candidate next save path: a
-temporary name not ending in ``pt`` in a hidden folder, SHA-256 through one reused 4 MiB buffer). Files go to ``--dir`` (default
-$TMPDIR): a second disk shows its own speed.
+``output.file_sha256`` of the file read back). Files go to ``--dir`` (default $TMPDIR): a second
+disk shows its own speed. (``path+readinto-hash``, the candidate measured before src tree 74ad1bc,
+is now ``shim``.)
 
     python benchmarks/save_interference.py --out benchmarks/results/cpu/save_interference.json
 """
@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash", "path+readinto-hash")
+MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash")
 
 
 class _HashingWriter:
@@ -46,16 +46,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def _readinto_hash(path: Path, buf: bytearray) -> str:
-    """SHA-256 of a file read into one reused buffer (no allocation per chunk, no mmap: a read
-    error is an OSError, and file systems that refuse shared maps work)."""
-    h, view = hashlib.sha256(), memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def savers(folder: Path):
@@ -82,23 +72,7 @@ def savers(folder: Path):
         torch.save(obj, str(p))
         output.file_sha256(p)
 
-    local = threading.local()
-
-    def path_readinto_hash(obj, i):
-        # the candidate next save path: torch's writer to a name not ending in "pt" inside a hidden
-        # folder (the archive is named after the basename up to its last dot: "data_N"), hashed
-        # through one reused buffer, then moved into place
-        tmp_dir = folder / f".t{i}"
-        tmp_dir.mkdir()
-        tmp = tmp_dir / f"data_{i}.tmp"
-        torch.save(obj, str(tmp))
-        buf = getattr(local, "buf", None) or bytearray(1 << 22)
-        local.buf = buf
-        _readinto_hash(tmp, buf)
-        os.replace(tmp, folder / f"data_{i}.pt")
-        tmp_dir.rmdir()
-
-    return {"path+readinto-hash": path_readinto_hash, "shim": shim, "shim@save_workers": shim, "writer+hash": writer_hash, "file": file, "path": path, "path+read-hash": path_read_hash}
+    return {"shim": shim, "shim@save_workers": shim, "writer+hash": writer_hash, "file": file, "path": path, "path+read-hash": path_read_hash}
 
 
 def spin(stop: threading.Event, out: list) -> None:
