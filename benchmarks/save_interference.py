@@ -9,7 +9,9 @@ rate with nothing saved, and the bytes saved per second. Modes alternate, a warm
 (the same on ``output.save_workers(--workers)`` threads, as the script's run uses), ``writer+hash`` (the shim's save up to
 2025ac5: torch.save through a file object that SHA-256s what passes), ``file`` (a plain file
 object), ``path`` (torch.save to a path: its own C++ writer), ``path+read-hash`` (path, then
-``output.file_sha256`` of the file read back). Files go to ``--dir`` (default $TMPDIR): a second
+``output.file_sha256`` of the file read back in this process, as the shim did up to src tree
+a94ab62), ``path+helper-hash`` (path, then the shim's checksum helper process reads it back). Each mode has its own pool,
+its threads and their helpers started before the first trial. Files go to ``--dir`` (default $TMPDIR): a second
 disk shows its own speed. (``path+readinto-hash``, the candidate measured before src tree 74ad1bc,
 is now ``shim``.)
 
@@ -31,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash")
+MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash", "path+helper-hash")
 
 
 class _HashingWriter:
@@ -72,7 +74,13 @@ def savers(folder: Path):
         torch.save(obj, str(p))
         output.file_sha256(p)
 
-    return {"shim": shim, "shim@save_workers": shim, "writer+hash": writer_hash, "file": file, "path": path, "path+read-hash": path_read_hash}
+    def path_helper_hash(obj, i):
+        p = folder / f"x{i}.pt"
+        torch.save(obj, str(p))
+        output._digest_saved(p, False)
+
+    return {"shim": shim, "shim@save_workers": shim, "writer+hash": writer_hash, "file": file, "path": path,
+            "path+read-hash": path_read_hash, "path+helper-hash": path_helper_hash}
 
 
 def spin(stop: threading.Event, out: list) -> None:
@@ -84,7 +92,17 @@ def spin(stop: threading.Event, out: list) -> None:
     out.append(n)
 
 
-def trial(save, sample: dict, nbytes: int, n: int, workers: int, rate_gbs: float, idle_s: float) -> dict:
+def started_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool whose every thread is running, with its checksum helper started (as in a long job)."""
+    from speculators_compat import output
+
+    pool, barrier = ThreadPoolExecutor(workers), threading.Barrier(workers)
+    for f in [pool.submit(lambda: (barrier.wait(), output._helper())) for _ in range(workers)]:
+        f.result()
+    return pool
+
+
+def trial(save, sample: dict, nbytes: int, n: int, pool, rate_gbs: float, idle_s: float) -> dict:
     stop, turns = threading.Event(), []
     t0 = time.perf_counter()
     th = threading.Thread(target=spin, args=(stop, turns))
@@ -92,14 +110,13 @@ def trial(save, sample: dict, nbytes: int, n: int, workers: int, rate_gbs: float
     if save is None:
         time.sleep(idle_s)
     else:
-        with ThreadPoolExecutor(workers) as pool:
-            futures = []
-            for i in range(n):
-                if rate_gbs:
-                    time.sleep(max(0.0, t0 + i * nbytes / (rate_gbs * 1e9) - time.perf_counter()))
-                futures.append(pool.submit(save, sample, i))
-            for f in futures:
-                f.result()
+        futures = []
+        for i in range(n):
+            if rate_gbs:
+                time.sleep(max(0.0, t0 + i * nbytes / (rate_gbs * 1e9) - time.perf_counter()))
+            futures.append(pool.submit(save, sample, i))
+        for f in futures:
+            f.result()
     wall = time.perf_counter() - t0
     stop.set()
     th.join()
@@ -130,14 +147,18 @@ def main() -> int:
     try:
         fns = savers(folder)
         idle_s = args.samples * nbytes / (args.rate_gbs * 1e9) if args.rate_gbs else 1.0
-        trial(fns["shim"], sample, nbytes, 8, args.workers, 0.0, 0.0)  # warm-up
+        pools = {m: started_pool(output.save_workers(args.workers) if m == "shim@save_workers" else args.workers)
+                 for m in MODES}
+        for m in MODES[1:]:  # warm-up
+            trial(fns[m], sample, nbytes, 8, pools[m], 0.0, 0.0)
         runs: dict[str, list] = {m: [] for m in MODES}
         for _ in range(args.reps):
             for m in MODES:
-                workers = output.save_workers(args.workers) if m == "shim@save_workers" else args.workers
-                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, workers, args.rate_gbs, idle_s))
+                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, pools[m], args.rate_gbs, idle_s))
                 for p in folder.iterdir():
                     p.unlink()
+        for pool in pools.values():
+            pool.shutdown()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     base = statistics.median(r["loop_per_s"] for r in runs["idle"])

@@ -4,7 +4,8 @@ A data folder holds ``data_N.pt`` files, a manifest (``speculators_compat_manife
 speculators' ``sample_lengths.json`` / ``data_config.json``. Each file is written under a hidden
 temporary name in the same folder (a data file: in a hidden folder there) and renamed when
 complete, a data file once its zip archive is whole; only then does the manifest gain
-its line (index, tokens, layer ids, bytes, SHA-256); no temporary name ends in ``pt``, the suffix
+its line (index, tokens, layer ids, bytes, SHA-256, read back by a helper process per save thread
+so no hashing holds the driver's GIL); no temporary name ends in ``pt``, the suffix
 speculators' training loader collects. The manifest's first line names what
 produces the data; a resume with anything else is refused in one line. ``verify`` checks a folder
 against its manifest. Nothing here imports vLLM; torch only when a file is written.
@@ -17,8 +18,14 @@ import hashlib
 import json
 import os
 import re
+import select
+import struct
+import subprocess
+import sys
 import threading
 import time
+import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,8 +62,6 @@ def lock_folder(folder: Path) -> None:
                             "wait for it to end or use another --output-dir") from None
     except OSError as exc:  # a file system without flock (some NFS / Lustre mounts): run unlocked, say so
         os.close(fd)
-        import warnings
-
         warnings.warn(f"speculators_compat: {folder} cannot be locked ({type(exc).__name__}: {exc}); "
                       "nothing stops a second run from writing it at the same time", RuntimeWarning, stacklevel=2)
         return
@@ -124,7 +129,8 @@ def atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
 
 
 _BUFFER = threading.local()  # each save thread's read buffer for hashing, reused
-_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # this process's cgroup v2 CPU quota, in a container
+_CGROUP_ROOT = Path("/sys/fs/cgroup")  # the cgroup v2 mount (in a container: the container's own cgroup)
+_SELF_CGROUP = Path("/proc/self/cgroup")  # "0::/path" under that mount
 _WRITE_FAILED = ("iostream", "unexpected pos", "file write failed")  # torch's file writer's words
 
 
@@ -135,21 +141,42 @@ def save_workers(script_workers: int) -> int:
 
 
 def _usable_cores() -> int:
-    """Cores this process may use: its CPU affinity, within a cgroup v2 quota (a container's)."""
+    """Cores this process may use: its CPU affinity, within every cgroup v2 quota on its cgroup's
+    path (a container's, and any nested under it)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = _CPU_MAX.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    for cpu_max in _cpu_max_files():
+        with contextlib.suppress(OSError, ValueError):
+            quota, period = cpu_max.read_text().split()[:2]
+            if quota != "max":
+                cores = min(cores, max(1, -(-int(quota) // int(period))))
     return cores
+
+
+def _cpu_max_files() -> list[Path]:
+    """``cpu.max`` of this process's cgroup v2 and of each cgroup above it (up to the mount's root)."""
+    relative = "/"
+    with contextlib.suppress(OSError):
+        for line in _SELF_CGROUP.read_text().splitlines():
+            if line.startswith("0::"):
+                relative = line[3:]
+    folder = _CGROUP_ROOT / os.path.normpath("/" + relative).lstrip("/")
+    if not folder.resolve().is_relative_to(_CGROUP_ROOT.resolve()):
+        folder = _CGROUP_ROOT
+    files = []
+    while True:
+        files.append(folder / "cpu.max")
+        if folder == _CGROUP_ROOT:
+            return files
+        folder = folder.parent
 
 
 def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     """The bytes of ``torch.save(obj, path)``, by torch's own file writer (no GIL while it copies),
-    written as ``<stem>.tmp`` in a hidden folder beside ``path``, read back for SHA-256 and renamed
+    written as ``<stem>.tmp`` in a hidden folder beside ``path``, read back for SHA-256 (by this
+    thread's helper process) and renamed
     into place; returns (bytes, sha256 hex). torch names the archive inside after the file name up
     to its last dot, so it is the one speculators' own save gives."""
     import torch
@@ -165,7 +192,7 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
                 raise
             raise OSError(f"saving {path.name} failed writing {tmp}: {exc} ({_free(folder)} free on its "
                           "file system)") from exc
-        size, sha = _digest(tmp, fsync)
+        size, sha = _digest_saved(tmp, fsync)
         problem = _archive_end_problem(tmp, size)
         if problem:  # torch <= 2.9 closes the file unchecked: a lost tail raises nothing
             raise OSError(f"saving {path.name} failed: {tmp} is cut short ({problem}; {_free(folder)} free on "
@@ -207,6 +234,167 @@ def _free(folder: Path) -> str:
     except OSError as exc:
         return f"unknown space ({exc.strerror})"
     return f"{st.f_bavail * st.f_frsize / 1e9:.2f} GB"
+
+
+# The checksum helper: a bare interpreter that reads a file back, SHA-256s it (and fsyncs it when
+# asked) for one save thread, so hashing takes no time under this process's GIL. It says READY
+# first; request: path length (4 bytes), fsync flag (1 byte), absolute path; reply: one line,
+# "OK size hex" or "ERR errno text". It ends at the end of its input (this process gone).
+_HELPER_CODE = r"""
+import hashlib, os, struct, sys
+src, out, buf = sys.stdin.buffer, sys.stdout.buffer, memoryview(bytearray(1 << 22))
+out.write(b"READY speculators-compat-hash 1\n")
+out.flush()
+while head := src.read(5):
+    n, sync = struct.unpack("<IB", head)
+    path = src.read(n)
+    try:
+        h, size = hashlib.sha256(), 0
+        with open(path, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                h.update(buf[:k])
+                size += k
+            if sync:
+                os.fsync(f.fileno())
+        out.write(b"OK %d %s\n" % (size, h.hexdigest().encode()))
+    except OSError as e:
+        out.write(b"ERR %d %s\n" % (e.errno or 0, (e.strerror or str(e)).encode(errors="replace")))
+    out.flush()
+"""
+_READY = b"READY speculators-compat-hash 1\n"
+_READY_S = 30.0  # how long a helper may take to start
+_REPLY = re.compile(rb"(?:OK (\d+) ([0-9a-f]{64})|ERR (\d+) ([^\n]*))\n")
+
+
+class _HelperGone(RuntimeError):
+    pass
+
+
+class _Helper:
+    """One save thread's checksum helper process, on pipes of its own (closed in a forked child);
+    it ends when its thread does, or at exit."""
+
+    def __init__(self):
+        req_r, self.req = os.pipe()
+        self.rep, rep_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _HELPER_CODE], stdin=req_r, stdout=rep_w,
+                                         stderr=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            os.close(self.req)
+            os.close(self.rep)
+            raise
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        self.fds = [self.req, self.rep]  # emptied once closed
+        self._finalizer = weakref.finalize(self, _end, self.proc, self.fds)
+        _LIVE.add(self)
+        if self._line(_READY_S) != _READY:
+            self.close()
+            raise _HelperGone(f"{sys.executable} -I -S did not start as a Python interpreter")
+
+    def _line(self, timeout: float | None = None) -> bytes:
+        data = b""
+        while not data.endswith(b"\n"):
+            if timeout is not None and not select.select([self.rep], [], [], timeout)[0]:
+                return data
+            chunk = os.read(self.rep, 4096)
+            if not chunk:
+                return data
+            data += chunk
+        return data
+
+    def request(self, path: Path, fsync: bool) -> re.Match:
+        """The helper's reply for ``path``; an interrupted or unreadable exchange ends the helper."""
+        name = os.fsencode(os.path.abspath(path))
+        message = memoryview(struct.pack("<IB", len(name), int(fsync)) + name)
+        try:
+            while message:
+                message = message[os.write(self.req, message):]
+            reply = self._line()
+        except BaseException:
+            self.close()  # its reply, if any, must never answer the next request
+            raise
+        match = _REPLY.fullmatch(reply)
+        if match is None:
+            self.close()
+            raise _HelperGone(f"the checksum helper process ended or answered {reply[:80]!r} "
+                              f"(exit code {self.proc.poll()})")
+        return match
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _end(proc: subprocess.Popen, fds: list) -> None:
+    """Closes a helper's pipes (it exits at the end of its input) and waits for it; kills it after 5 s."""
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _forget_helpers_in_child() -> None:
+    """A forked child closes its copies of the helpers' pipes (a helper must see its end when this
+    process ends) and leaves the helpers, which are not its own, alone."""
+    for helper in list(_LIVE):
+        helper._finalizer.detach()
+        while helper.fds:
+            with contextlib.suppress(OSError):
+                os.close(helper.fds.pop())
+    _LIVE.clear()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # helpers of this process
+os.register_at_fork(after_in_child=_forget_helpers_in_child)
+_helper_broken: list[str] = []  # why helpers cannot run here (then hashing stays in this process)
+
+
+def _helper() -> _Helper | None:
+    """This thread's checksum helper, started on first use; None where none can run."""
+    helper = getattr(_BUFFER, "helper", None)
+    if helper is not None and helper.fds and helper.proc.poll() is None:
+        return helper
+    _BUFFER.helper = None
+    if _helper_broken or not sys.executable or getattr(sys, "frozen", False):
+        return None
+    try:
+        _BUFFER.helper = _Helper()
+    except (OSError, ValueError, subprocess.SubprocessError, _HelperGone) as exc:
+        _give_up(f"{sys.executable} -I -S could not start: {exc}")
+    return _BUFFER.helper
+
+
+def _give_up(why: str) -> None:
+    if not _helper_broken:
+        _helper_broken.append(why)
+        warnings.warn(f"speculators-compat: data files are checksummed in this process ({why})", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _digest_saved(path: Path, fsync: bool) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a just-written file, by this thread's helper process where one runs;
+    a helper that dies is replaced once, then hashing stays in this process (with one warning)."""
+    helper, reply = _helper(), None
+    if helper is not None:
+        try:
+            reply = helper.request(path, fsync)
+        except (_HelperGone, BrokenPipeError) as exc:
+            _BUFFER.helper = None
+            if getattr(_BUFFER, "helper_lost", False):
+                _give_up(f"{exc}, twice")
+            _BUFFER.helper_lost = True
+        del helper  # an error raised below must not keep the helper alive in its traceback
+    if reply is None:
+        return _digest(path, fsync)
+    if reply[1] is not None:
+        return int(reply[1]), reply[2].decode()
+    raise OSError(int(reply[3]), reply[4].decode(errors="replace"), str(path))
 
 
 def _digest(path: Path, fsync: bool = False) -> tuple[int, str]:

@@ -4,6 +4,7 @@ failed save stops the loop with its cause instead of being lost in a thread."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing.pool import ThreadPool
 
 import pytest
 
@@ -149,9 +151,183 @@ def test_save_threads_cover_the_hash(monkeypatch, cores, threads):
                                             ("garbage\n", None)])
 def test_a_containers_cpu_quota_bounds_the_cores(tmp_path, monkeypatch, cpu_max, cores):
     (tmp_path / "cpu.max").write_text(cpu_max)
-    monkeypatch.setattr(output, "_CPU_MAX", tmp_path / "cpu.max")
+    (tmp_path / "self").write_text("0::/\n")
+    monkeypatch.setattr(output, "_CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(output, "_SELF_CGROUP", tmp_path / "self")
     affinity = len(os.sched_getaffinity(0))
     assert output._usable_cores() == (affinity if cores is None else min(affinity, cores))
+
+
+@pytest.mark.parametrize("quotas, cores", [({"": "max", "a": "100000 100000", "a/b": "max"}, 1),
+                                           ({"": "50000 100000", "a": "max", "a/b": "max"}, 1),
+                                           ({"": "max", "a": "max", "a/b": "max"}, None),
+                                           ({"": "max", "a": "300000 100000"}, 3)])
+def test_a_quota_of_a_cgroup_above_this_ones_bounds_the_cores(tmp_path, monkeypatch, quotas, cores):
+    for rel, quota in quotas.items():
+        (tmp_path / rel).mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel / "cpu.max").write_text(quota + "\n")
+    (tmp_path / "a" / "b").mkdir(parents=True, exist_ok=True)  # this process's cgroup, without cpu.max if absent
+    (tmp_path / "self").write_text("1:name=systemd:/x\n0::/a/b\n")
+    monkeypatch.setattr(output, "_CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(output, "_SELF_CGROUP", tmp_path / "self")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert output._usable_cores() == (16 if cores is None else cores)
+
+
+# -- the checksum helper process ---------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_helpers(monkeypatch):
+    monkeypatch.setattr(output, "_helper_broken", [])
+    output._BUFFER.helper, output._BUFFER.helper_lost = None, False
+    yield
+    output._BUFFER.helper, output._BUFFER.helper_lost = None, False
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_saves_are_hashed_by_a_helper_process_that_ends_with_its_thread(tmp_path, fresh_helpers, monkeypatch):
+    procs, results = [], []
+
+    def nowhere(*args, **kwargs):
+        raise AssertionError("hashed in this process")
+
+    monkeypatch.setattr(output, "_digest", nowhere)
+
+    def save():
+        results.append(output.save_tensor_file(sample(300), tmp_path / "data_0.pt", fsync=True))
+        procs.append(output._BUFFER.helper.proc)
+
+    th = threading.Thread(target=save)
+    th.start()
+    th.join()
+    assert results == [((tmp_path / "data_0.pt").stat().st_size, _sha(tmp_path / "data_0.pt"))]
+    for _ in range(100):  # the thread is gone: its helper's input closes and it exits
+        if procs[0].poll() is not None:
+            break
+        gc.collect()
+        time.sleep(0.05)
+    assert procs[0].returncode == 0
+
+
+def test_threads_and_a_relative_folder_after_chdir_get_their_own_files_digests(tmp_path, fresh_helpers, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    (tmp_path / "a" / "x").write_bytes(b"in a")
+    assert output._digest_saved(output.Path("x"), False) == (4, hashlib.sha256(b"in a").hexdigest())
+    monkeypatch.chdir(tmp_path / "b")  # the helper started in a; a relative name is this process's
+    (tmp_path / "b" / "x").write_bytes(b"in b, longer")
+    assert output._digest_saved(output.Path("x"), False) == (12, hashlib.sha256(b"in b, longer").hexdigest())
+    with ThreadPool(4) as pool:
+        got = pool.map(lambda i: output.save_tensor_file(sample(20 + i, seed=i), tmp_path / f"data_{i}.pt"), range(16))
+    assert got == [((tmp_path / f"data_{i}.pt").stat().st_size, _sha(tmp_path / f"data_{i}.pt")) for i in range(16)]
+
+
+def test_a_helper_that_dies_mid_request_costs_nothing_but_speed(tmp_path, fresh_helpers):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    helper = output._helper()
+
+    def kill_then_write():  # the helper blocks opening the FIFO, then dies with the request taken
+        time.sleep(0.5)
+        helper.proc.kill()
+        helper.proc.wait()  # gone before the FIFO has a writer: the bytes go to the fallback's read
+        with open(fifo, "wb") as f:  # for the read this process falls back to
+            f.write(b"abc")
+
+    th = threading.Thread(target=kill_then_write, daemon=True)
+    th.start()
+    got = [output._digest_saved(fifo, False)]
+    th.join(10)
+    assert got == [(3, hashlib.sha256(b"abc").hexdigest())] and output._helper_broken == []
+    (tmp_path / "x").write_bytes(b"xyz")
+    assert output._digest_saved(tmp_path / "x", False) == (3, hashlib.sha256(b"xyz").hexdigest())
+    assert output._BUFFER.helper is not None and output._BUFFER.helper is not helper  # a new one
+
+
+def test_a_second_loss_keeps_hashing_here_with_one_warning(tmp_path, fresh_helpers, monkeypatch):
+    (tmp_path / "x").write_bytes(b"xyz")
+    real = output._helper
+
+    def dead():  # each helper dies before its request is written
+        h = real()
+        if h is not None:
+            h.proc.kill()
+            h.proc.wait()
+        return h
+
+    monkeypatch.setattr(output, "_helper", dead)
+    assert output._digest_saved(tmp_path / "x", False) == (3, hashlib.sha256(b"xyz").hexdigest())
+    assert output._helper_broken == []
+    with pytest.warns(RuntimeWarning, match="checksummed in this process .*twice"):
+        assert output._digest_saved(tmp_path / "x", False) == (3, hashlib.sha256(b"xyz").hexdigest())
+    assert real() is None
+
+
+def test_an_interrupted_request_never_answers_the_next(tmp_path, fresh_helpers, monkeypatch):
+    (tmp_path / "big").write_bytes(os.urandom(1 << 20))
+    (tmp_path / "small").write_bytes(os.urandom(1 << 20))  # the same size: only the digest tells them apart
+    real, calls = output._Helper._line, []
+
+    def interrupted(self, timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1 and timeout is None:
+            raise KeyboardInterrupt
+        return real(self, timeout)
+
+    output._helper()
+    monkeypatch.setattr(output._Helper, "_line", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        output._digest_saved(tmp_path / "big", False)
+    assert output._digest_saved(tmp_path / "small", False) == (1 << 20, _sha(tmp_path / "small"))
+
+
+@pytest.mark.parametrize("program", ["echo 'Usage 12 deadbeef'", "echo 'OK 12 ' && sleep 30", "sleep 30"])
+def test_an_executable_that_is_not_a_helper_is_refused(tmp_path, fresh_helpers, monkeypatch, program):
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!/bin/sh\n{program}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setattr(output, "_READY_S", 1.0)
+    (tmp_path / "x").write_bytes(b"xyz")
+    with pytest.warns(RuntimeWarning, match="fake-python -I -S could not start"):
+        assert output._digest_saved(tmp_path / "x", False) == (3, hashlib.sha256(b"xyz").hexdigest())
+
+
+def test_without_a_helper_hashing_stays_here_with_one_warning(tmp_path, fresh_helpers, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    with pytest.warns(RuntimeWarning, match="no-python -I -S could not start"):
+        size, sha = output.save_tensor_file(sample(40), tmp_path / "data_0.pt")
+    assert (size, sha) == ((tmp_path / "data_0.pt").stat().st_size, _sha(tmp_path / "data_0.pt"))
+
+
+def test_a_helpers_read_error_is_an_os_error_naming_the_file(tmp_path, fresh_helpers, monkeypatch):
+    monkeypatch.setattr(output, "_digest", lambda *a: (0, "0" * 64))
+    with pytest.raises(FileNotFoundError, match="data_9.tmp"):
+        output._digest_saved(tmp_path / "data_9.tmp", False)
+    (tmp_path / "x").write_bytes(b"abc")
+    assert output._digest_saved(tmp_path / "x", False) == (3, hashlib.sha256(b"abc").hexdigest())
+
+
+def test_a_forked_child_lets_go_of_the_helpers_pipes(tmp_path, fresh_helpers):
+    helper = output._helper()
+    pid = os.fork()
+    if pid == 0:  # the child: its copies of the pipes are closed, and it may start its own helper
+        try:
+            closed = not helper.fds and not output._LIVE
+            (tmp_path / "x").write_bytes(b"child")
+            ok = output._digest_saved(tmp_path / "x", False) == (5, hashlib.sha256(b"child").hexdigest())
+        finally:
+            os._exit(0 if closed and ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert helper.proc.poll() is None and helper.fds  # the parent's helper is untouched
+    (tmp_path / "y").write_bytes(b"parent")
+    assert output._digest_saved(tmp_path / "y", False) == (6, hashlib.sha256(b"parent").hexdigest())
 
 
 def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):
