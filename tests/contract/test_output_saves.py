@@ -313,6 +313,7 @@ def test_a_helpers_read_error_is_an_os_error_naming_the_file(tmp_path, fresh_hel
     assert output._digest_saved(tmp_path / "x", False) == (3, hashlib.sha256(b"abc").hexdigest())
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_lets_go_of_the_helpers_pipes(tmp_path, fresh_helpers):
     helper = output._helper()
     pid = os.fork()
