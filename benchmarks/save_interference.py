@@ -4,16 +4,16 @@ The script's driver (scheduler, batching) is Python on the main thread; ``output
 saves on ``--workers`` threads. Samples of the 8B-like shape (``--tokens`` x ``--hidden`` x
 ``--layers`` bf16) are submitted at ``--rate-gbs`` (the generator's output rate; 0 = as fast as the
 threads go) while the main thread counts loop turns; reported per mode: the loop's rate over its
-rate with nothing saved, and the bytes saved per second. Modes alternate, a warm-up round apart:
+rate with nothing saved, and the bytes saved per second. Modes alternate, a warm-up round apart,
+each on its own pool whose threads (and their checksum helpers) start before the first trial:
 ``shim`` (``output.save_tensor_file`` as installed, on ``--workers`` threads), ``shim@save_workers``
-(the same on ``output.save_workers(--workers)`` threads, as the script's run uses), ``writer+hash`` (the shim's save up to
-2025ac5: torch.save through a file object that SHA-256s what passes), ``file`` (a plain file
-object), ``path`` (torch.save to a path: its own C++ writer), ``path+read-hash`` (path, then
-``output.file_sha256`` of the file read back in this process, as the shim did up to src tree
-a94ab62), ``path+helper-hash`` (path, then the shim's checksum helper process reads it back). Each mode has its own pool,
-its threads and their helpers started before the first trial. Files go to ``--dir`` (default $TMPDIR): a second
-disk shows its own speed. (``path+readinto-hash``, the candidate measured before src tree 74ad1bc,
-is now ``shim``.)
+(the same on ``output.save_workers(--workers)`` threads, as the script's run uses),
+``writer+hash`` (the shim's save up to 2025ac5: torch.save through a file object that SHA-256s
+what passes), ``file`` (a plain file object), ``path`` (torch.save to a path: its own C++
+writer), ``path+read-hash`` (path, then ``output.file_sha256`` of the file read back in this
+process, as the shim did up to src tree a94ab62), ``path+helper-hash`` (path, then the shim's
+checksum helper process reads it back). Files go to ``--dir`` (default $TMPDIR): a second disk
+shows its own speed.
 
     python benchmarks/save_interference.py --out benchmarks/results/cpu/save_interference.json
 """
