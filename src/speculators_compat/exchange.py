@@ -11,6 +11,7 @@ Details: docs/MODULES.md.
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import mmap
 import os
@@ -95,6 +96,7 @@ class Chunk:
             raise
         self.fd: int | None = fd
         self.dev, self.ino = st.st_dev, st.st_ino
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))  # the export ends with this line
         self.view = memoryview(self.map)
         self.free = [(0, size)]  # sorted, coalesced (offset, length)
         self.leased = 0
@@ -328,6 +330,18 @@ class ExchangePool:
         view = self.chunks[chunk_id].view[off : off + nbytes]
         weakref.finalize(view, self._released.append, (chunk_id, off, reserved))
         return view
+
+    def locate(self, ptr: int, nbytes: int) -> tuple[tuple, int] | None:
+        """(the chunk's (fd, dev, ino, size), byte offset) of ``nbytes`` at address ``ptr`` where
+        they lie inside one chunk of this pool, else None (a saver maps that chunk to read them)."""
+        for chunk in list(self.chunks.values()):
+            if chunk.fd is not None and chunk.base <= ptr and ptr + nbytes <= chunk.base + chunk.size:
+                return (chunk.fd, chunk.dev, chunk.ino, chunk.size), ptr - chunk.base
+        return None
+
+    def live(self) -> list[tuple[int, int]]:
+        """(dev, inode) of this pool's chunks: a saver drops its mappings of any other."""
+        return [(c.dev, c.ino) for c in list(self.chunks.values())]
 
     def forget(self, chunks: list[Chunk]) -> None:
         """Drop idle chunks from the pool (the workers drop them at the next call)."""

@@ -173,12 +173,12 @@ def _cpu_max_files() -> list[Path]:
         folder = folder.parent
 
 
-def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
+def save_tensor_file(obj, path: Path, fsync: bool = False, digest=None) -> tuple[int, str]:
     """The bytes of ``torch.save(obj, path)``, by torch's own file writer (no GIL while it copies),
-    written as ``<stem>.tmp`` in a hidden folder beside ``path``, read back for SHA-256 (by this
-    thread's helper process) and renamed
-    into place; returns (bytes, sha256 hex). torch names the archive inside after the file name up
-    to its last dot, so it is the one speculators' own save gives."""
+    written as ``<stem>.tmp`` in a hidden folder beside ``path``, read back for SHA-256 (by
+    ``digest(path, fsync)``; default: this thread's helper process) and renamed into place;
+    returns (bytes, sha256 hex). torch names the archive inside after the file name up to its last
+    dot, so it is the one speculators' own save gives."""
     import torch
 
     folder = _tmp_name(path)
@@ -192,7 +192,7 @@ def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
                 raise
             raise OSError(f"saving {path.name} failed writing {tmp}: {exc} ({_free(folder)} free on its "
                           "file system)") from exc
-        size, sha = _digest_saved(tmp, fsync)
+        size, sha = (digest or _digest_saved)(tmp, fsync)
         problem = _archive_end_problem(tmp, size)
         if problem:  # torch <= 2.9 closes the file unchecked: a lost tail raises nothing
             raise OSError(f"saving {path.name} failed: {tmp} is cut short ({problem}; {_free(folder)} free on "
@@ -236,12 +236,28 @@ def _free(folder: Path) -> str:
     return f"{st.f_bavail * st.f_frsize / 1e9:.2f} GB"
 
 
+# One SHA-256 reader, run here (``_digest``) and in the checksum helper, which cannot import this
+# package (it runs as ``python -I -S``).
+_DIGEST_SOURCE = """
+def read_digest(path, fsync, buf):
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            h.update(buf[:k])
+            size += k
+        if fsync:
+            os.fsync(f.fileno())
+    return size, h.hexdigest()
+"""
+_NAMESPACE: dict = {"hashlib": hashlib, "os": os}
+exec(compile(_DIGEST_SOURCE, "<speculators_compat.output read_digest>", "exec"), _NAMESPACE)
+_read_digest = _NAMESPACE["read_digest"]
+
 # The checksum helper: a bare interpreter that reads a file back, SHA-256s it (and fsyncs it when
 # asked) for one save thread, so hashing takes no time under this process's GIL. It says READY
 # first; request: path length (4 bytes), fsync flag (1 byte), absolute path; reply: one line,
 # "OK size hex" or "ERR errno text". It ends at the end of its input (this process gone).
-_HELPER_CODE = r"""
-import hashlib, os, struct, sys
+_HELPER_CODE = "import hashlib, os, struct, sys\n" + _DIGEST_SOURCE + r"""
 src, out, buf = sys.stdin.buffer, sys.stdout.buffer, memoryview(bytearray(1 << 22))
 out.write(b"READY speculators-compat-hash 1\n")
 out.flush()
@@ -249,14 +265,8 @@ while head := src.read(5):
     n, sync = struct.unpack("<IB", head)
     path = src.read(n)
     try:
-        h, size = hashlib.sha256(), 0
-        with open(path, "rb", buffering=0) as f:
-            while k := f.readinto(buf):
-                h.update(buf[:k])
-                size += k
-            if sync:
-                os.fsync(f.fileno())
-        out.write(b"OK %d %s\n" % (size, h.hexdigest().encode()))
+        size, hexdigest = read_digest(path, sync, buf)
+        out.write(b"OK %d %s\n" % (size, hexdigest.encode()))
     except OSError as e:
         out.write(b"ERR %d %s\n" % (e.errno or 0, (e.strerror or str(e)).encode(errors="replace")))
     out.flush()
@@ -296,8 +306,10 @@ class _Helper:
 
     def _line(self, timeout: float | None = None) -> bytes:
         data = b""
+        poller = select.poll()  # not select(): a descriptor above 1024 is refused there
+        poller.register(self.rep, select.POLLIN)
         while not data.endswith(b"\n"):
-            if timeout is not None and not select.select([self.rep], [], [], timeout)[0]:
+            if timeout is not None and not poller.poll(timeout * 1000):
                 return data
             chunk = os.read(self.rep, 4096)
             if not chunk:
@@ -403,14 +415,7 @@ def _digest(path: Path, fsync: bool = False) -> tuple[int, str]:
     buf = getattr(_BUFFER, "view", None)
     if buf is None:
         buf = _BUFFER.view = memoryview(bytearray(1 << 22))
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(buf[:n])
-            size += n
-        if fsync:
-            os.fsync(f.fileno())
-    return size, h.hexdigest()
+    return _read_digest(path, fsync, buf)
 
 
 def file_sha256(path: Path) -> str:
@@ -527,10 +532,13 @@ def model_config_sha256(model_path: str) -> str | None:
 class SaveQueue:
     """Saves on ``workers`` threads with at most ``limit_bytes`` of samples in flight (one sample
     may exceed it alone); a failed save is raised by the next ``submit`` or by ``drain``.
-    ``encode(index, sample)`` (optional) gives (what is saved, extra manifest fields), on the save threads."""
+    ``encode(index, sample)`` (optional) gives (what is saved, extra manifest fields), on the save
+    threads. With ``shared`` (a callable giving the generator's exchange pool, or None) and no
+    ``encode``, samples whose tensors are in the exchange go to a saver process (``saver``); the
+    rest, and every sample after that process is lost, to the threads here."""
 
     def __init__(self, manifest: Manifest, workers: int, limit_bytes: int, fsync: bool, on_saved=None,
-                 encode=None):
+                 encode=None, shared=None):
         self._manifest, self._fsync, self._on_saved = manifest, fsync, on_saved
         self._encode = encode  # (index, sample) -> (what is saved, fields for its manifest line)
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="speculators-compat-save")
@@ -541,7 +549,18 @@ class SaveQueue:
         self._error: BaseException | None = None
         self.peak_inflight = 0
         self.saved = 0
+        self.saved_by_saver = 0
         self.blocked_s = 0.0  # time submit() waited for room (the disk or the encoding behind)
+        self._shared, self._saver = shared, None
+        self._sent: dict[int, tuple] = {}  # samples with the saver, by index
+        self.saver_failure: str | None = None
+        if shared is not None and encode is None:
+            from . import saver
+
+            try:
+                self._saver = saver.Saver(max(1, workers), self._replied, self._lost)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                self._saver_lost(f"{sys.executable} could not start: {exc}")
 
     def submit(self, index: int, name: str, obj: dict, tokens: int, layer_ids: list[int]) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in obj["hidden_states"])
@@ -554,28 +573,81 @@ class SaveQueue:
             self._inflight += nbytes
             self._pending += 1
             self.peak_inflight = max(self.peak_inflight, self._inflight)
-        self._pool.submit(self._save, index, name, obj, tokens, layer_ids, nbytes)
+        job = (index, name, obj, tokens, layer_ids, nbytes)
+        if self._saver is not None and self.saver_failure is None:
+            from . import saver
+
+            pool = self._shared()
+            description = saver.describe(obj, pool.locate) if pool is not None else None
+            if description is not None:
+                self._sent[index] = job
+                try:
+                    self._saver.send(index, self._manifest.folder / name, self._fsync, description, pool.live())
+                    return
+                except saver.SaverGone:
+                    del self._sent[index]
+        self._pool.submit(self._save, *job)
 
     def _save(self, index, name, obj, tokens, layer_ids, nbytes) -> None:
+        error = None
         try:
             extra: dict = {}
             if self._encode is not None:
                 obj, extra = self._encode(index, obj)
             size, sha = save_tensor_file(obj, self._manifest.folder / name, self._fsync)
-            self._manifest.append({"file": name, "index": index, "tokens": tokens, "layer_ids": layer_ids,
-                                   "bytes": size, "sha256": sha, **extra})
-            if self._on_saved is not None:
-                self._on_saved()
+            self._record(index, name, tokens, layer_ids, size, sha, extra)
         except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
-            with self._cond:
-                self._error = self._error or exc
+            error = exc
         finally:
-            with self._cond:
-                self._inflight -= nbytes
-                self._pending -= 1
-                if self._error is None:
-                    self.saved += 1
-                self._cond.notify_all()
+            self._finish(nbytes, error)
+
+    def _record(self, index, name, tokens, layer_ids, size, sha, extra) -> None:
+        self._manifest.append({"file": name, "index": index, "tokens": tokens, "layer_ids": layer_ids,
+                               "bytes": size, "sha256": sha, **extra})
+        if self._on_saved is not None:
+            self._on_saved()
+
+    def _finish(self, nbytes: int, error: BaseException | None) -> None:
+        with self._cond:
+            self._error = self._error or error
+            self._inflight -= nbytes
+            self._pending -= 1
+            if self._error is None:
+                self.saved += 1
+            self._cond.notify_all()
+
+    def _replied(self, index, result) -> None:
+        """The saver's answer for ``index`` (on its reader thread)."""
+        from . import saver
+
+        job = self._sent.pop(index)
+        if isinstance(result, saver.NotShared):  # it could not map the sample: saved here, and what follows
+            self._saver_lost(str(result))
+            self._pool.submit(self._save, *job)
+            return
+        error = result if isinstance(result, BaseException) else None
+        if error is None:
+            try:
+                size, sha = result
+                self._record(job[0], job[1], job[3], job[4], size, sha, {})
+                self.saved_by_saver += 1
+            except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
+                error = exc
+        nbytes = job[5]
+        del job  # the sample's tensors go: their exchange segments return to the pool
+        self._finish(nbytes, error)
+
+    def _lost(self, indices: list, why: str) -> None:
+        """The saver ended with ``indices`` open (or never started): they are saved here."""
+        self._saver_lost(why)
+        for index in indices:
+            self._pool.submit(self._save, *self._sent.pop(index))
+
+    def _saver_lost(self, why: str) -> None:
+        if self.saver_failure is None:
+            self.saver_failure = why
+            warnings.warn(f"speculators-compat: data files are written by this process ({why})", RuntimeWarning,
+                          stacklevel=2)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -585,6 +657,8 @@ class SaveQueue:
         with self._cond:
             while self._pending:
                 self._cond.wait()
+        if self._saver is not None:
+            self._saver.close()
         self._pool.shutdown(wait=True)
         with self._cond:
             self._raise()

@@ -338,9 +338,6 @@ def test_with_descriptors_above_1024_the_digest_is_still_right(tmp_path, fresh_h
         assert output._digest_saved(tmp_path / "x", False) == (4, hashlib.sha256(b"many").hexdigest())
 
 
-@pytest.mark.xfail(strict=True, reason="known limit at src tree d084725: the handshake's select() refuses a "
-                   "descriptor above FD_SETSIZE, so such a process hashes in-process (right, slower), with a "
-                   "warning; next src batch: poll()")
 def test_with_descriptors_above_1024_a_helper_still_starts(tmp_path, fresh_helpers):
     (tmp_path / "x").write_bytes(b"many")
     with _descriptors_above_1024(), warnings.catch_warnings():

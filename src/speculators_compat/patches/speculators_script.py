@@ -298,7 +298,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
 
     workers = int(script.get("MAX_IO_WORKERS", 4))  # FP8: half the bytes to hash, encoding's copies on each thread
     queue = output.SaveQueue(manifest, workers if store else output.save_workers(workers), limit, fsync, saved,
-                             encode if store else None)
+                             encode if store else None, shared=lambda: getattr(generator, POOL_ATTR, None))
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
     canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),

@@ -1,0 +1,214 @@
+"""The saver process with real torch and a real exchange pool: samples in shared memory are written
+outside the driver, byte for byte as the driver would write them; whatever it cannot take, a lost
+or unstartable saver, and a dead driver cost speed or a clear error, never a file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculators_compat import output, saver  # noqa: E402
+from speculators_compat.exchange import ExchangePool  # noqa: E402
+
+ROWS, HIDDEN, LAYERS = 300, 128, 3
+
+
+def _shared_sample(pool: ExchangePool, seed: int) -> tuple[dict, dict]:
+    """(a sample whose hidden states are result tensors in the exchange, as the generator hands
+    them; an independent copy of it)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = ROWS * HIDDEN * 2
+    placements, _, _ = pool.allocate_runs([[((seed, k), nbytes)] for k in range(LAYERS)])
+    states = []
+    for k in range(LAYERS):
+        t = torch.frombuffer(pool.lease_view(placements[(seed, k)], nbytes), dtype=torch.bfloat16).view(ROWS, HIDDEN)
+        t.copy_(torch.randn(ROWS, HIDDEN, generator=g) * (1 + 50 * (k == 0)))
+        states.append(t)
+    mask = torch.randint(0, 2, (2 * ROWS,), generator=g)  # a slice of a longer mask, as the script saves
+    obj = {"input_ids": torch.randint(0, 1000, (ROWS,), generator=g), "hidden_states": states,
+           "loss_mask": mask[:ROWS]}
+    copy = {"input_ids": obj["input_ids"].clone(), "hidden_states": [t.clone() for t in states],
+            "loss_mask": mask.clone()[:ROWS]}
+    return obj, copy
+
+
+def _queue(folder: Path, pool, workers: int = 2, limit: int = 1 << 30) -> output.SaveQueue:
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = output.Manifest(folder)
+    manifest.start({"format": output.FORMAT}, False)
+    return output.SaveQueue(manifest, workers, limit, False, shared=lambda: pool)
+
+
+def _check_folder(folder: Path, copies: dict, exact: bool = True) -> None:
+    """Every file loads back equal to its sample, and its manifest line holds its size and SHA-256."""
+    records = output.Manifest.read(folder).files
+    assert sorted(records) == sorted(copies) if exact else set(copies) <= set(records)
+    for index, copy in copies.items():
+        path = folder / output.data_name(index)
+        data = path.read_bytes()
+        assert (records[index]["bytes"], records[index]["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+        got = torch.load(path)
+        assert torch.equal(got["input_ids"], copy["input_ids"])
+        assert torch.equal(got["loss_mask"], copy["loss_mask"])
+        assert len(got["hidden_states"]) == LAYERS
+        for a, b in zip(got["hidden_states"], copy["hidden_states"]):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def _fill(queue, pool, n: int, first: int = 0) -> dict:
+    copies = {}
+    for index in range(first, first + n):
+        obj, copies[index] = _shared_sample(pool, index)
+        queue.submit(index, output.data_name(index), obj, ROWS, [1, 2, 3])
+        del obj
+    return copies
+
+
+def test_exchange_samples_are_written_by_the_saver_byte_for_byte_as_here(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copies = _fill(queue, pool, 6)
+        queue.drain()
+    assert (queue.saved, queue.saved_by_saver, queue.saver_failure) == (6, 6, None)
+    _check_folder(tmp_path / "out", copies)
+    assert pool.leased == 0  # every exchange segment went back once its file was written
+    (tmp_path / "here").mkdir()
+    for index, copy in copies.items():  # the driver's own save of the same sample: the same bytes
+        size, sha = output.save_tensor_file(copy, tmp_path / "here" / output.data_name(index))
+        assert sha == output.Manifest.read(tmp_path / "out").files[index]["sha256"]
+
+
+def test_what_travels_is_a_description_not_the_rows(tmp_path):
+    pool = ExchangePool()
+    obj, _copy = _shared_sample(pool, 1)
+    described = saver.describe(obj, pool.locate)
+    size = len(pickle.dumps(described))
+    assert size < 3 * ROWS * 8 + 2048  # ids and mask as bytes; the 3 x 300 x 128 bf16 rows not at all
+    for t in described["hidden_states"]:
+        assert isinstance(t, saver._T) and isinstance(t[0], tuple)  # (fd, dev, ino, size) of a chunk
+    outside = {"hidden_states": [torch.zeros(saver.INLINE_MAX // 4 + 1)]}  # large and outside the exchange
+    assert saver.describe(outside, pool.locate) is None
+    assert saver.describe({"hidden_states": [torch.zeros(2, requires_grad=True)]}, pool.locate) is None
+
+
+def test_a_sample_outside_the_exchange_is_saved_here(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    big = torch.randn(saver.INLINE_MAX // 2 + 1, 2).to(torch.bfloat16)
+    queue.submit(0, output.data_name(0), {"input_ids": torch.arange(3), "hidden_states": [big],
+                                          "loss_mask": torch.ones(3)}, 3, [1])
+    copies = _fill(queue, pool, 2, first=1)
+    queue.drain()
+    assert (queue.saved, queue.saved_by_saver) == (3, 2)
+    assert torch.equal(torch.load(tmp_path / "out" / output.data_name(0))["hidden_states"][0], big)
+    _check_folder(tmp_path / "out", copies, exact=False)
+
+
+def test_a_saver_killed_mid_run_costs_nothing_but_speed(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    with pytest.warns(RuntimeWarning, match="written by this process"):
+        copies = _fill(queue, pool, 3)
+        os.kill(queue._saver.proc.pid, signal.SIGKILL)
+        copies.update(_fill(queue, pool, 4, first=3))
+        queue.drain()
+    assert queue.saved == 7 and queue.saver_failure and queue.saved_by_saver < 7
+    _check_folder(tmp_path / "out", copies)
+    assert pool.leased == 0
+
+
+@pytest.mark.parametrize("program", ["/bin/false", "/nonexistent/python"])
+def test_a_saver_that_cannot_start_leaves_the_saves_here_with_one_warning(tmp_path, monkeypatch, program):
+    monkeypatch.setattr(sys, "executable", program)
+    pool = ExchangePool()
+    with pytest.warns(RuntimeWarning, match="written by this process") as caught:
+        queue = _queue(tmp_path / "out", pool)
+        copies = _fill(queue, pool, 3)
+        queue.drain()
+    assert len([w for w in caught if "written by this process" in str(w.message)]) == 1
+    assert (queue.saved, queue.saved_by_saver) == (3, 0)
+    _check_folder(tmp_path / "out", copies)
+
+
+def test_a_chunk_the_saver_cannot_open_as_described_is_saved_here(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+
+    class Misdescribed:  # the chunk's descriptor, with an inode that is not the file's
+        def locate(self, ptr, nbytes):
+            place = pool.locate(ptr, nbytes)
+            return None if place is None else ((place[0][0], place[0][1], place[0][2] + 1, place[0][3]), place[1])
+
+        def live(self):
+            return pool.live()
+
+    queue._shared = lambda: Misdescribed()
+    with pytest.warns(RuntimeWarning, match="not the exchange chunk"):
+        copies = _fill(queue, pool, 3)
+        queue.drain()
+    assert (queue.saved, queue.saved_by_saver) == (3, 0)
+    _check_folder(tmp_path / "out", copies)
+
+
+def test_a_save_error_in_the_saver_is_raised_with_its_cause(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    obj, _ = _shared_sample(pool, 0)
+    queue.submit(0, "no_such_folder/data_0.pt", obj, ROWS, [1])
+    del obj
+    with pytest.raises(RuntimeError, match=r"saving a data file failed: .*No such file or directory") as info:
+        queue.drain()
+    assert isinstance(info.value.__cause__, OSError)
+    assert not list((tmp_path / "out").glob("*.pt")) and pool.leased == 0
+
+
+DRIVER = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    from speculators_compat import output
+    from speculators_compat.exchange import ExchangePool
+    pool, folder = ExchangePool(), Path(sys.argv[1])
+    folder.mkdir()
+    m = output.Manifest(folder)
+    m.start({"format": output.FORMAT}, False)
+    q = output.SaveQueue(m, 2, 1 << 30, False, shared=lambda: pool)
+    time.sleep(0.5)
+    print(q._saver.proc.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_the_saver_ends_when_its_driver_is_killed(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(output.__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])))
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "out")], stdout=subprocess.PIPE, env=env)
+    pid = int(driver.stdout.readline())
+    os.kill(pid, 0)  # the saver runs
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[-1].startswith("Z"):  # ended (a zombie: its parent was the driver)
+                return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the saver outlived its driver by 30 s")
