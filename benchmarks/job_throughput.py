@@ -31,8 +31,10 @@ The warm-up (one A run, which also yields the token ids, then B's engine start a
 is timed and reported apart. B's engine stays up (idle) while A's subprocess runs; vLLM's idle
 workers wait on a socket, not spinning.
 
-``--inproc-sides`` adds two in-process ablations of B (``pass_b``): S, the script's save path
-(``output.SaveQueue``) fed by the generator; H, outputs held two batches, not saved.
+``--inproc-sides`` adds three in-process ablations of B (``pass_b``): S, the script's save path
+(``output.SaveQueue`` on ``save_workers(4)`` threads with the exchange pool: the saver process
+writes) fed by the generator; T, the same queue without the pool (every file saved by this
+process's threads, as up to src tree d084725); H, outputs held two batches, not saved.
 ``--fresh-side`` adds P, the generator alone in a fresh process (a new engine like the script's):
 its first pass is as cold as the script's loop (``A_over_P_first``: the script against the
 generator, both cold), its second as warm as B.
@@ -370,12 +372,13 @@ def main() -> int:
         before = dict(pool.stats) if pool is not None else {}
         phases = {"begin": 0.0, "steps": 0.0, "finish": 0.0}
         queue, held, folder = None, [], work / f"inproc_{mode}"
-        if mode == "S":
+        if mode in ("S", "T"):
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             manifest = shim_output.Manifest(folder)
-            manifest.start({"format": shim_output.FORMAT, "ablation": "S"}, False)
-            queue = shim_output.SaveQueue(manifest, 4, 2048 << 20, False)
+            manifest.start({"format": shim_output.FORMAT, "ablation": mode}, False)
+            queue = shim_output.SaveQueue(manifest, shim_output.save_workers(4), 2048 << 20, False,
+                                          shared=(lambda: getattr(gen, POOL_ATTR, None)) if mode == "S" else None)
         if platform == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -412,6 +415,8 @@ def main() -> int:
         return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "first_batch_s": each[0],
                 "generate_s": sum(each), "phases_s": phases,
                 "blocked_on_saves_s": queue.blocked_s if queue is not None else 0.0,
+                "files_by_saver_process": queue.saved_by_saver if queue is not None else 0,
+                "saver_failure": queue.saver_failure if queue is not None else None,
                 "chunks_made": after.get("chunks_created", 0) - before.get("chunks_created", 0),
                 "chunk_mib_made": (after.get("bytes_created", 0) - before.get("bytes_created", 0)) / 2**20}
 
@@ -453,7 +458,7 @@ def main() -> int:
     write()
     sides = ["A", "F", "B"] if args.fp8_side else ["A", "B"]
     if args.inproc_sides:
-        sides += ["S", "H"]
+        sides += ["S", "T", "H"]
     if args.fresh_side:
         sides += ["P"]
     for r in range(args.reps):
@@ -475,7 +480,7 @@ def main() -> int:
                 if rep["P"]["returncode"] != 0:
                     print(rep["P"].get("stderr_tail", ""), file=sys.stderr)
                     return 1
-            elif side in ("S", "H"):
+            elif side in ("S", "T", "H"):
                 rep[side] = pass_b(side)
             else:
                 s = pass_b()
@@ -494,7 +499,7 @@ def main() -> int:
             if lt and "generate_phase_s" in rep[side]:
                 rep[f"{side}_ratio_generate_phase_after_first_batch"] = (
                     (tokens - first_tokens) / (rep[side]["generate_phase_s"] - lt["first_batch_s"]) / b_steady)
-        for side in ("S", "H"):
+        for side in ("S", "T", "H"):
             if side in rep:
                 rep[f"{side}_ratio"] = rep[side]["tok_s"] / b
         if "P" in rep:  # both on a fresh engine: the script's loop against the generator's first pass
@@ -537,7 +542,7 @@ def main() -> int:
         key = f"{side}_ratio_generate_phase_after_first_batch"
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
-    for key in ("S_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
+    for key in ("S_ratio", "T_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
     if args.fp8_side:

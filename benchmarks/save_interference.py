@@ -12,8 +12,11 @@ each on its own pool whose threads (and their checksum helpers) start before the
 what passes), ``file`` (a plain file object), ``path`` (torch.save to a path: its own C++
 writer), ``path+read-hash`` (path, then ``output.file_sha256`` of the file read back in this
 process, as the shim did up to src tree a94ab62), ``path+helper-hash`` (path, then the shim's
-checksum helper process reads it back). Files go to ``--dir`` (default $TMPDIR): a second disk
-shows its own speed.
+checksum helper process reads it back); ``queue`` (``output.SaveQueue`` on
+``output.save_workers(--workers)`` threads, manifest included, the sample a plain tensor) and
+``queue+saver`` (the same queue with the sample's hidden states in an exchange chunk, as the
+generator returns them: the run's saver process writes them). Files go to ``--dir`` (default
+$TMPDIR): a second disk shows its own speed.
 
     python benchmarks/save_interference.py --out benchmarks/results/cpu/save_interference.json
 """
@@ -33,7 +36,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash", "path+helper-hash")
+MODES = ("idle", "shim", "shim@save_workers", "writer+hash", "file", "path", "path+read-hash", "path+helper-hash",
+         "queue", "queue+saver")
+QUEUES = ("queue", "queue+saver")
 
 
 class _HashingWriter:
@@ -102,6 +107,51 @@ def started_pool(workers: int) -> ThreadPoolExecutor:
     return pool
 
 
+class Queued:
+    """An ``output.SaveQueue`` kept across trials (its saver process started once, as in a job):
+    ``trial`` submits to it and waits until every sample is saved."""
+
+    def __init__(self, folder: Path, workers: int, sample: dict, exchange):
+        from speculators_compat import output
+
+        self.folder, self.sample, self.n = folder, sample, 0
+        folder.mkdir()
+        manifest = output.Manifest(folder)
+        manifest.start({"format": output.FORMAT, "benchmark": "save_interference"}, False)
+        self.queue = output.SaveQueue(manifest, output.save_workers(workers), 8 << 30, False,
+                                      shared=None if exchange is None else (lambda: exchange))
+
+    def submit(self, i: int) -> None:
+        from speculators_compat import output
+
+        self.n += 1
+        self.queue.submit(self.n, output.data_name(self.n), self.sample, 1, [])
+
+    def wait(self) -> None:
+        with self.queue._cond:
+            while self.queue._pending:
+                self.queue._cond.wait()
+        self.queue._raise()
+
+    def clean(self) -> None:
+        for p in self.folder.glob("data_*.pt"):
+            p.unlink()
+
+
+def in_exchange(sample: dict, exchange) -> dict:
+    """``sample`` with its hidden states copied into leased segments of ``exchange`` (generator-style views)."""
+    import torch
+
+    states = []
+    for k, t in enumerate(sample["hidden_states"]):
+        nbytes = t.numel() * t.element_size()
+        placements, _, _ = exchange.allocate({k: nbytes})
+        view = torch.frombuffer(exchange.lease_view(placements[k], nbytes), dtype=t.dtype).view(t.shape)
+        view.copy_(t)
+        states.append(view)
+    return dict(sample, hidden_states=states)
+
+
 def trial(save, sample: dict, nbytes: int, n: int, pool, rate_gbs: float, idle_s: float) -> dict:
     stop, turns = threading.Event(), []
     t0 = time.perf_counter()
@@ -109,6 +159,12 @@ def trial(save, sample: dict, nbytes: int, n: int, pool, rate_gbs: float, idle_s
     th.start()
     if save is None:
         time.sleep(idle_s)
+    elif isinstance(save, Queued):
+        for i in range(n):
+            if rate_gbs:
+                time.sleep(max(0.0, t0 + i * nbytes / (rate_gbs * 1e9) - time.perf_counter()))
+            save.submit(i)
+        save.wait()
     else:
         futures = []
         for i in range(n):
@@ -146,19 +202,30 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="save-interference-", dir=args.dir))
     try:
         fns = savers(folder)
+        from speculators_compat.exchange import ExchangePool
+
+        exchange = ExchangePool()
+        fns["queue"] = Queued(folder / "queue", args.workers, sample, None)
+        fns["queue+saver"] = Queued(folder / "queue+saver", args.workers, in_exchange(sample, exchange), exchange)
         idle_s = args.samples * nbytes / (args.rate_gbs * 1e9) if args.rate_gbs else 1.0
         pools = {m: started_pool(output.save_workers(args.workers) if m == "shim@save_workers" else args.workers)
-                 for m in MODES}
-        for m in MODES[1:]:  # warm-up
-            trial(fns[m], sample, nbytes, 8, pools[m], 0.0, 0.0)
+                 for m in MODES if m not in QUEUES}
+        for m in MODES[1:]:  # warm-up (the saver process starts here)
+            trial(fns[m], sample, nbytes, 8, pools.get(m), 0.0, 0.0)
         runs: dict[str, list] = {m: [] for m in MODES}
         for _ in range(args.reps):
             for m in MODES:
-                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, pools[m], args.rate_gbs, idle_s))
+                runs[m].append(trial(fns.get(m), sample, nbytes, args.samples, pools.get(m), args.rate_gbs, idle_s))
                 for p in folder.iterdir():
-                    p.unlink()
+                    if p.is_file():
+                        p.unlink()
+                for q in QUEUES:
+                    fns[q].clean()
         for pool in pools.values():
             pool.shutdown()
+        for q in QUEUES:
+            fns[q].queue.drain()
+        saver_files = {q: fns[q].queue.saved_by_saver for q in QUEUES}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     base = statistics.median(r["loop_per_s"] for r in runs["idle"])
@@ -167,7 +234,7 @@ def main() -> int:
     result = {"benchmark": "save_interference", "provenance": provenance(), "cpu_count": os.cpu_count(),
               "save_workers": output.save_workers(args.workers),
               "settings": {**vars(args), "dir": "TMPDIR" if args.dir is None else "given", "sample_bytes": nbytes},
-              "summary": summary, "runs": runs}
+              "saved_by_saver_process": saver_files, "summary": summary, "runs": runs}
     for m, s in summary.items():
         print(f"{m:12s} loop {s['loop_rate_vs_idle']:.3f} of idle   saved {s['gb_per_s']:.2f} GB/s")
     if args.out:

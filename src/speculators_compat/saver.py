@@ -40,44 +40,57 @@ class NotShared(Exception):
 
 
 class _T(tuple):
-    """A described tensor: (source, start, nbytes, dtype, size, stride, storage offset)."""
+    """A described tensor: (storage key, source, start, nbytes, dtype, size, stride, storage
+    offset); tensors of one storage share its key (torch.save writes that storage once), and
+    only the first carries the source."""
+
+
+class _Same(int):
+    """The n-th tensor described before, again (the same object: pickled once, as torch.save does)."""
 
 
 # -- the driver's side ---------------------------------------------------------------------------
 
 
 def describe(obj, locate):
-    """``obj`` with each tensor replaced by a ``_T`` (source, start, nbytes, dtype, size, stride,
-    storage offset): source a chunk's (fd, dev, ino, size) from ``locate(ptr, nbytes)``, or the storage's
+    """``obj`` with each tensor replaced by a ``_T`` (storage key, source, start, nbytes, dtype,
+    size, stride, storage offset): source a chunk's (fd, dev, ino, size) from ``locate(ptr, nbytes)``, or the storage's
     bytes when small; None where any part cannot be described (another type, a large tensor not in
     the exchange, a tensor on a device or with autograd)."""
     import ctypes
 
     import torch
 
+    seen: set = set()
+    order: dict = {}  # id(tensor) -> its number, for a tensor met again
+
     def walk(x):
-        if isinstance(x, dict):
-            out = {}
-            for k, v in x.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(x, (list, tuple)):
+        if type(x) is dict:
+            return {k: walk(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
             return type(x)(walk(v) for v in x)
         if x is None or type(x) in (bool, int, float, str):
             return x
         if type(x) is not torch.Tensor or x.layout != torch.strided or x.device.type != "cpu" \
                 or x.requires_grad or x.is_quantized or x.is_conj() or x.is_neg():
             raise NotShared
+        if id(x) in order:
+            return _Same(order[id(x)])
+        order[id(x)] = len(order)
         storage = x.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        place = locate(ptr, nbytes) if nbytes else None
-        if place is not None:
+        key = (ptr, nbytes) if nbytes else ("empty", len(order))  # empty storages are each their own
+        place = None
+        if key in seen:
+            source, start = None, 0
+        elif nbytes and (place := locate(ptr, nbytes)) is not None:
             source, start = place
         elif nbytes <= INLINE_MAX:
             source, start = ctypes.string_at(ptr, nbytes) if nbytes else b"", 0
         else:
             raise NotShared
-        return _T((source, start, nbytes, str(x.dtype).removeprefix("torch."), tuple(x.shape), x.stride(),
+        seen.add(key)
+        return _T((key, source, start, nbytes, str(x.dtype).removeprefix("torch."), tuple(x.shape), x.stride(),
                    x.storage_offset()))
 
     try:
@@ -282,20 +295,29 @@ def _map(caller: int, source: tuple, maps: dict):
 def _rebuild(description, caller: int, maps: dict):
     import torch
 
+    storages: dict = {}
+    built: list = []
+
     def walk(x):
         if isinstance(x, dict):
             return {k: walk(v) for k, v in x.items()}
         if isinstance(x, list):
             return [walk(v) for v in x]
         if isinstance(x, _T):
-            source, start, nbytes, dtype, size, stride, offset = x
-            if isinstance(source, bytes):
+            key, source, start, nbytes, dtype, size, stride, offset = x
+            if source is None:
+                storage = storages[key]
+            elif isinstance(source, bytes):
                 storage = torch.frombuffer(bytearray(source), dtype=torch.uint8).untyped_storage() if nbytes \
                     else torch.UntypedStorage(0)
             else:
                 storage = torch.frombuffer(_map(caller, source, maps), dtype=torch.uint8, count=nbytes,
                                            offset=start).untyped_storage()
-            return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)
+            storages[key] = storage
+            built.append(torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, size, stride))
+            return built[-1]
+        if isinstance(x, _Same):
+            return built[x]
         if isinstance(x, tuple):
             return tuple(walk(v) for v in x)
         return x

@@ -99,10 +99,31 @@ def test_what_travels_is_a_description_not_the_rows(tmp_path):
     size = len(pickle.dumps(described))
     assert size < 3 * ROWS * 8 + 2048  # ids and mask as bytes; the 3 x 300 x 128 bf16 rows not at all
     for t in described["hidden_states"]:
-        assert isinstance(t, saver._T) and isinstance(t[0], tuple)  # (fd, dev, ino, size) of a chunk
+        assert isinstance(t, saver._T) and isinstance(t[1], tuple)  # (fd, dev, ino, size) of a chunk
     outside = {"hidden_states": [torch.zeros(saver.INLINE_MAX // 4 + 1)]}  # large and outside the exchange
     assert saver.describe(outside, pool.locate) is None
     assert saver.describe({"hidden_states": [torch.zeros(2, requires_grad=True)]}, pool.locate) is None
+
+
+def test_shared_storages_views_and_empty_tensors_give_the_drivers_bytes(tmp_path):
+    """A layer id asked twice (one tensor twice), a transposed view, a slice of a shared tensor, an
+    empty tensor, nested containers: the saver's file is the driver's torch.save byte for byte."""
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    obj, _ = _shared_sample(pool, 4)
+    hs = obj["hidden_states"]
+    ids = torch.arange(50)
+    tricky = {"input_ids": ids, "hidden_states": [hs[0], hs[1], hs[0], hs[2].t(), hs[1][10:20]],
+              "loss_mask": ids[5:9], "extra": (torch.empty(0, 7), [None, 3, "x"])}
+    queue.submit(0, output.data_name(0), tricky, ROWS, [1])
+    queue.drain()
+    assert queue.saved_by_saver == 1
+    (tmp_path / "here").mkdir()
+    size, sha = output.save_tensor_file(tricky, tmp_path / "here" / output.data_name(0))
+    assert sha == output.Manifest.read(tmp_path / "out").files[0]["sha256"]
+    got = torch.load(tmp_path / "out" / output.data_name(0))
+    assert got["hidden_states"][0].data_ptr() == got["hidden_states"][2].data_ptr()
+    assert torch.equal(got["hidden_states"][3], hs[2].t()) and got["extra"][1] == [None, 3, "x"]
 
 
 def test_a_sample_outside_the_exchange_is_saved_here(tmp_path):
