@@ -173,12 +173,19 @@ def _cpu_max_files() -> list[Path]:
         folder = folder.parent
 
 
-def save_tensor_file(obj, path: Path, fsync: bool = False, digest=None) -> tuple[int, str]:
+def save_tensor_file(obj, path: Path, fsync: bool = False) -> tuple[int, str]:
     """The bytes of ``torch.save(obj, path)``, by torch's own file writer (no GIL while it copies),
-    written as ``<stem>.tmp`` in a hidden folder beside ``path``, read back for SHA-256 (by
-    ``digest(path, fsync)``; default: this thread's helper process) and renamed into place;
-    returns (bytes, sha256 hex). torch names the archive inside after the file name up to its last
-    dot, so it is the one speculators' own save gives."""
+    written as ``<stem>.tmp`` in a hidden folder beside ``path``, read back for SHA-256 (by this
+    thread's helper process) and renamed into place; returns (bytes, sha256 hex). torch names the
+    archive inside after the file name up to its last dot, so it is the one speculators' own save gives."""
+    tmp, size, sha = write_tensor_file(obj, path, fsync, _digest_saved)
+    place_file(tmp, path, fsync)
+    return size, sha
+
+
+def write_tensor_file(obj, path: Path, fsync: bool, digest) -> tuple[Path, int, str]:
+    """``save_tensor_file`` up to the rename: (the whole file under its temporary name, bytes,
+    sha256 hex by ``digest(path, fsync)``); nothing is left behind on an error."""
     import torch
 
     folder = _tmp_name(path)
@@ -192,22 +199,35 @@ def save_tensor_file(obj, path: Path, fsync: bool = False, digest=None) -> tuple
                 raise
             raise OSError(f"saving {path.name} failed writing {tmp}: {exc} ({_free(folder)} free on its "
                           "file system)") from exc
-        size, sha = (digest or _digest_saved)(tmp, fsync)
+        size, sha = digest(tmp, fsync)
         problem = _archive_end_problem(tmp, size)
         if problem:  # torch <= 2.9 closes the file unchecked: a lost tail raises nothing
             raise OSError(f"saving {path.name} failed: {tmp} is cut short ({problem}; {_free(folder)} free on "
                           "its file system)")
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise
-    finally:
         with contextlib.suppress(OSError):
             folder.rmdir()
+        raise
+    return tmp, size, sha
+
+
+def place_file(tmp: Path, path: Path, fsync: bool) -> None:
+    """Renames ``write_tensor_file``'s file to ``path`` (only the run holding the folder's lock
+    does) and removes its hidden folder; a ``tmp`` that is not such a file beside ``path`` is refused."""
+    tmp, path = Path(tmp), Path(path)
+    if tmp.parent.parent != path.parent or not tmp.parent.name.startswith(f"{_TMP_PREFIX}{path.name}."):
+        raise OSError(f"{tmp} is not a temporary file of {path}")
+    try:
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.parent.rmdir()
     if fsync:
         _fsync_dir(path.parent)
-    return size, sha
 
 
 def _archive_end_problem(path: Path, size: int) -> str | None:
@@ -574,19 +594,26 @@ class SaveQueue:
             self._pending += 1
             self.peak_inflight = max(self.peak_inflight, self._inflight)
         job = (index, name, obj, tokens, layer_ids, nbytes)
-        if self._saver is not None and self.saver_failure is None:
-            from . import saver
+        handed = registered = False  # whoever takes a job out of self._sent owns it
+        try:
+            if self._saver is not None and self.saver_failure is None:
+                from . import saver
 
-            pool = self._shared()
-            description = saver.describe(obj, pool.locate) if pool is not None else None
-            if description is not None:
-                self._sent[index] = job
-                try:
-                    self._saver.send(index, self._manifest.folder / name, self._fsync, description, pool.live())
-                    return
-                except saver.SaverGone:
-                    del self._sent[index]
-        self._pool.submit(self._save, *job)
+                pool = self._shared()
+                description = saver.describe(obj, pool.locate) if pool is not None else None
+                if description is not None:
+                    self._sent[index], registered = job, True
+                    try:
+                        self._saver.send(index, self._manifest.folder / name, self._fsync, description)
+                        handed = True
+                    except saver.SaverGone:
+                        handed = self._sent.pop(index, None) is None  # else it is this thread's to hand on
+            if not handed:
+                self._pool.submit(self._save, *job)
+                handed = True
+        finally:
+            if not handed and (not registered or self._sent.pop(index, None) is not None):
+                self._finish(nbytes, None, counted=False)  # interrupted before the hand-off: not saved
 
     def _save(self, index, name, obj, tokens, layer_ids, nbytes) -> None:
         error = None
@@ -607,47 +634,54 @@ class SaveQueue:
         if self._on_saved is not None:
             self._on_saved()
 
-    def _finish(self, nbytes: int, error: BaseException | None) -> None:
+    def _finish(self, nbytes: int, error: BaseException | None, counted: bool = True) -> None:
         with self._cond:
             self._error = self._error or error
             self._inflight -= nbytes
             self._pending -= 1
-            if self._error is None:
+            if self._error is None and counted:
                 self.saved += 1
             self._cond.notify_all()
 
     def _replied(self, index, result) -> None:
-        """The saver's answer for ``index`` (on its reader thread)."""
+        """The saver's answer for ``index`` (on its reader thread): the file placed and recorded,
+        its error kept, or (a sample it could not map) the sample saved here. Never raises."""
         from . import saver
 
-        job = self._sent.pop(index)
+        job = self._sent.pop(index, None)
+        if job is None:
+            return
         if isinstance(result, saver.NotShared):  # it could not map the sample: saved here, and what follows
-            self._saver_lost(str(result))
             self._pool.submit(self._save, *job)
+            self._saver_lost(str(result))
             return
         error = result if isinstance(result, BaseException) else None
-        if error is None:
-            try:
-                size, sha = result
+        try:
+            if error is None:
+                tmp, size, sha = result
+                place_file(Path(tmp), self._manifest.folder / job[1], self._fsync)
                 self._record(job[0], job[1], job[3], job[4], size, sha, {})
                 self.saved_by_saver += 1
-            except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
-                error = exc
+        except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
+            error = exc
         nbytes = job[5]
         del job  # the sample's tensors go: their exchange segments return to the pool
         self._finish(nbytes, error)
 
     def _lost(self, indices: list, why: str) -> None:
-        """The saver ended with ``indices`` open (or never started): they are saved here."""
-        self._saver_lost(why)
+        """The saver ended with ``indices`` open (or never started): they are saved here. Never raises."""
         for index in indices:
-            self._pool.submit(self._save, *self._sent.pop(index))
+            job = self._sent.pop(index, None)
+            if job is not None:
+                self._pool.submit(self._save, *job)
+        self._saver_lost(why)
 
     def _saver_lost(self, why: str) -> None:
         if self.saver_failure is None:
             self.saver_failure = why
-            warnings.warn(f"speculators-compat: data files are written by this process ({why})", RuntimeWarning,
-                          stacklevel=2)
+            with contextlib.suppress(Exception):  # under -W error: the threads here save, unwarned
+                warnings.warn(f"speculators-compat: data files are written by this process ({why})",
+                              RuntimeWarning, stacklevel=2)
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -1,12 +1,12 @@
 """The saver process: data files written from the exchange's shared memory, outside the driver.
 
 The driver describes each sample (a tensor in an exchange chunk by its chunk, byte range, dtype,
-shape and strides; a small tensor by its bytes) and never copies it; the saver maps the chunk
+shape and strides; a small tensor by its bytes) and never copies it; the saver maps that range
 read-only through ``/proc/<driver>/fd/<fd>`` (identity checked), rebuilds the same tensors and
-writes, hashes and renames the file with ``output.save_tensor_file`` on its own threads, so no
-pickling, writing or hashing holds the driver's GIL. Frames on the saver's own pipes: 8-byte
-length + pickle. It says READY once torch is imported, and ends at the end of its requests
-(the driver done, or gone: then without finishing what it holds).
+writes and hashes the file under its temporary name (``output.write_tensor_file``) on its own
+threads, so no pickling, writing or hashing holds the driver's GIL. The driver renames it (only
+the holder of the folder's lock places files). Frames on the saver's own pipes: 8-byte length +
+pickle. It says READY once torch is imported, and ends at the end of its requests or any error.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import warnings
 import weakref
 from pathlib import Path
 
-READY = b"READY speculators-compat-saver 1"
+READY = b"READY speculators-compat-saver 2 " + os.fsencode(os.path.realpath(__file__))  # this very file
 READY_S = 120.0  # how long the saver may take to import torch
 INLINE_MAX = 4 << 20  # a tensor outside the exchange travels as bytes up to this size (else: not described)
 _PIPE_BYTES = 1 << 20  # asked-for pipe capacity (a batch's requests without waiting for the saver)
@@ -53,10 +53,9 @@ class _Same(int):
 
 
 def describe(obj, locate):
-    """``obj`` with each tensor replaced by a ``_T`` (storage key, source, start, nbytes, dtype,
-    size, stride, storage offset): source a chunk's (fd, dev, ino, size) from ``locate(ptr, nbytes)``, or the storage's
-    bytes when small; None where any part cannot be described (another type, a large tensor not in
-    the exchange, a tensor on a device or with autograd)."""
+    """``obj`` with each tensor replaced by a ``_T``: source a chunk's (fd, dev, ino, size) from
+    ``locate(ptr, nbytes)``, or the storage's bytes when small; None where any part cannot be
+    described (another type, a large tensor not in the exchange, a device or autograd tensor)."""
     import ctypes
 
     import torch
@@ -95,7 +94,7 @@ def describe(obj, locate):
 
     try:
         return walk(obj)
-    except NotShared:
+    except Exception:  # noqa: BLE001 - anything it cannot walk is saved by the driver, as before
         return None
 
 
@@ -124,15 +123,18 @@ def _read_frame(fd: int) -> bytes | None:
 
 
 class Saver:
-    """One saver process with ``workers`` threads. ``on_reply(key, (size, sha) or exception)``
+    """One saver process with ``workers`` threads. ``on_reply(key, (tmp, size, sha) or exception)``
     runs on this object's reader thread for each request; ``on_lost(keys, why)`` once, with the
-    requests still open, where the process ended early or could not start (no reply after it)."""
+    requests still open, where the process ended early or could not start (no reply after it).
+    Neither may raise."""
 
     def __init__(self, workers: int, on_reply, on_lost):
         self._on_reply, self._on_lost = on_reply, on_lost
         self._lock = threading.Lock()  # _open, failure
         self._writing = threading.Lock()  # the request pipe (held across a write, never with _lock)
         self._open: set = set()  # keys sent and not answered
+        self._closing = False
+        self._stopped: str | None = None  # why this side stopped the saver
         self.failure: str | None = None
         req_r, self._req = os.pipe()
         self._rep, rep_w = os.pipe()
@@ -141,7 +143,7 @@ class Saver:
                 import fcntl
 
                 fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        package_root = str(Path(__file__).resolve().parent.parent)  # last on its path: found there if not before
+        package_root = str(Path(__file__).resolve().parent.parent)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _MAIN, package_root, str(workers), str(os.getpid()), str(rep_w)],
@@ -160,9 +162,10 @@ class Saver:
                                         daemon=True)
         self._reader.start()
 
-    def send(self, key, path: Path, fsync: bool, description, live: list) -> None:
-        """Hand one file to the saver; SaverGone where it has ended (the caller saves it itself)."""
-        payload = pickle.dumps((key, os.path.abspath(path), fsync, description, live), protocol=pickle.HIGHEST_PROTOCOL)
+    def send(self, key, path: Path, fsync: bool, description) -> None:
+        """Hand one file to the saver; SaverGone where it has ended (the caller saves it itself).
+        Interrupted mid-frame, the saver is stopped (its open requests go to ``on_lost``)."""
+        payload = pickle.dumps((key, os.path.abspath(path), fsync, description), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             if self.failure is not None:
                 raise SaverGone(self.failure)
@@ -170,14 +173,22 @@ class Saver:
         try:
             with self._writing:
                 if self._req not in self.fds:
-                    raise OSError(0, "closed")
+                    raise OSError(0, "its pipe is closed")
                 _write_frame(self._req, payload)
         except OSError as exc:
             with self._lock:
                 if key not in self._open:  # already handed to on_lost
                     return
                 self._open.discard(key)
-            raise SaverGone(self.failure or f"the saver process ended ({exc.strerror})") from None
+            raise SaverGone(self.failure or f"the saver process ended ({exc.strerror or exc})") from None
+        except BaseException as exc:
+            self._stop(f"stopped: a request was cut short ({type(exc).__name__})")  # it would read the next one wrong
+            raise
+
+    def _stop(self, why: str) -> None:
+        self._stopped = self._stopped or why
+        with contextlib.suppress(OSError):
+            self.proc.kill()
 
     def _read_replies(self) -> None:
         why = None
@@ -190,19 +201,20 @@ class Saver:
                 first = _read_frame(self._rep)
                 if first != READY:
                     why = (f"{sys.executable} did not start the saver (exit code {self.proc.poll()})"
-                           if first is None else f"the saver process answered {first[:60]!r}")
+                           if first is None else f"the saver process answered {first[:100]!r}, not {READY!r}")
             while why is None:
                 frame = _read_frame(self._rep)
                 if frame is None:
                     break
                 key, error, result = pickle.loads(frame)
+                self._on_reply(key, _rebuild_error(error) if error else result)
                 with self._lock:
                     self._open.discard(key)
-                self._on_reply(key, _rebuild_error(error) if error else result)
         except Exception as exc:  # noqa: BLE001 - told to on_lost, never raised on this thread
             why = f"{type(exc).__name__}: {exc}"
-        if why is not None and self.proc.poll() is None:
-            self.proc.kill()  # a saver out of step: a send blocked on it returns (EPIPE)
+        if why is not None:
+            self._stop(why)  # a saver out of step: a send blocked on it returns (EPIPE)
+        why = self._stopped or why
         with self._lock:
             lost, self._open = sorted(self._open, key=repr), set()
             self.failure = why or f"the saver process ended (exit code {self.proc.poll()})"
@@ -210,7 +222,7 @@ class Saver:
             self._close_fd(self._req)
             self._close_fd(self._rep)
         _wait(self.proc)
-        if lost or why:
+        if lost or (why and not self._closing):
             self._on_lost(lost, self.failure)
 
     def _close_fd(self, fd: int) -> None:  # under self._writing
@@ -219,18 +231,19 @@ class Saver:
             os.close(fd)
 
     def close(self) -> None:
-        """Ends the saver: the end of its requests (it exits; killed after 10 s), then its last
-        replies read."""
+        """Ends the saver: the end of its requests (it exits; killed after a minute), then its
+        last replies read."""
+        self._closing = True
         with self._writing:
             self._close_fd(self._req)
-        _wait(self.proc)
+        _wait(self.proc, 60)
         if self._reader is not threading.current_thread():
             self._reader.join()
 
 
-def _wait(proc: subprocess.Popen) -> None:
+def _wait(proc: subprocess.Popen, seconds: float = 10) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
+        proc.wait(timeout=seconds)
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -276,23 +289,25 @@ def _rebuild_error(error: tuple) -> BaseException:
 # -- the saver's side ---------------------------------------------------------------------------
 
 
-def _map(caller: int, source: tuple, maps: dict):
+def _map(caller: int, source: tuple, start: int, nbytes: int, maps: list) -> tuple[mmap.mmap, int]:
+    """(a read-only map of the pages holding ``nbytes`` at ``start`` of the driver's chunk, the
+    offset of ``start`` in it); the map is added to ``maps`` (unmapped after the save)."""
     fd_number, dev, ino, size = source
-    if (dev, ino) in maps:
-        return maps[(dev, ino)]
     path = f"/proc/{caller}/fd/{fd_number}"
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size) != (dev, ino, size):
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size) != (dev, ino, size) \
+                or start < 0 or start + nbytes > size:
             raise NotShared(f"{path} is not the exchange chunk the driver described")
-        maps[(dev, ino)] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        first = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        maps.append(mmap.mmap(fd, start + nbytes - first, prot=mmap.PROT_READ, offset=first))
     finally:
         os.close(fd)
-    return maps[(dev, ino)]
+    return maps[-1], start - first
 
 
-def _rebuild(description, caller: int, maps: dict):
+def _rebuild(description, caller: int, maps: list):
     import torch
 
     storages: dict = {}
@@ -311,8 +326,8 @@ def _rebuild(description, caller: int, maps: dict):
                 storage = torch.frombuffer(bytearray(source), dtype=torch.uint8).untyped_storage() if nbytes \
                     else torch.UntypedStorage(0)
             else:
-                storage = torch.frombuffer(_map(caller, source, maps), dtype=torch.uint8, count=nbytes,
-                                           offset=start).untyped_storage()
+                mapped, at = _map(caller, source, start, nbytes, maps)
+                storage = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
             storages[key] = storage
             built.append(torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, size, stride))
             return built[-1]
@@ -325,47 +340,59 @@ def _rebuild(description, caller: int, maps: dict):
     return walk(description)
 
 
-_MAIN = "import sys; sys.path.append(sys.argv[1]); from speculators_compat import saver; saver.main()"
+def _unmap(maps: list) -> None:
+    for m in maps:
+        with contextlib.suppress(BufferError):  # a tensor still views it: it goes with that tensor
+            m.close()
+
+
+_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from speculators_compat import saver; del sys.path[0]; "
+         "saver.main()")
 
 
 def main() -> None:
-    """The saver process (``_MAIN`` PACKAGE_ROOT WORKERS DRIVER_PID REPLY_FD): requests on stdin."""
+    """The saver process (``_MAIN`` PACKAGE_ROOT WORKERS DRIVER_PID REPLY_FD): requests on stdin.
+    Whatever ends its loop (the end of the requests, an error) ends the process at once: a file
+    it had not answered for stays under its temporary name."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch  # noqa: F401 - imported before READY: the first request waits for nothing
+    try:
+        import torch  # noqa: F401 - imported before READY: the first request waits for nothing
 
-    from . import output
+        from . import output
 
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    workers, caller, out = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    lock = threading.Lock()
-    maps: dict = {}
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        workers, caller, out = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+        lock = threading.Lock()
 
-    def reply(key, error, result) -> None:
-        payload = pickle.dumps((key, error, result), protocol=pickle.HIGHEST_PROTOCOL)
-        with lock:
-            _write_frame(out, payload)
+        def reply(key, error, result) -> None:
+            payload = pickle.dumps((key, error, result), protocol=pickle.HIGHEST_PROTOCOL)
+            with lock:
+                _write_frame(out, payload)
 
-    def save(key, path: str, fsync: bool, obj) -> None:
-        try:
-            result = output.save_tensor_file(obj, Path(path), fsync, digest=output._digest)
-        except BaseException as exc:  # noqa: BLE001 - every outcome is the driver's to judge
-            reply(key, (type(exc).__name__, getattr(exc, "errno", None) or 0, str(exc) or repr(exc)), None)
-        else:
-            reply(key, None, result)
-
-    _write_frame(out, READY)
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="speculators-compat-saver") as pool:
-        while (frame := _read_frame(0)) is not None:
-            key, path, fsync, description, live = pickle.loads(frame)
-            for dead in [k for k in maps if k not in live]:  # chunks the driver has let go
-                with contextlib.suppress(BufferError):
-                    maps.pop(dead).close()
+        def save(key, path: str, fsync: bool, description) -> None:
+            maps: list = []
             try:
-                obj = _rebuild(description, caller, maps)
-            except (OSError, NotShared, RuntimeError, ValueError, TypeError) as exc:
-                reply(key, ("NotShared", 0, f"{type(exc).__name__}: {exc}"), None)
-                continue
-            pool.submit(save, key, path, fsync, obj)
-            del obj
-        os._exit(0)  # the driver closed its end: with requests open it is gone, and nothing is finished
+                try:
+                    obj = _rebuild(description, caller, maps)
+                except (OSError, NotShared, RuntimeError, ValueError, TypeError, KeyError) as exc:
+                    reply(key, ("NotShared", 0, f"{type(exc).__name__}: {exc}"), None)
+                    return
+                tmp, size, sha = output.write_tensor_file(obj, Path(path), fsync, output._digest)
+                del obj
+                reply(key, None, (str(tmp), size, sha))
+            except BaseException as exc:  # noqa: BLE001 - every outcome is the driver's to judge
+                reply(key, (type(exc).__name__, getattr(exc, "errno", None) or 0, str(exc) or repr(exc)), None)
+            finally:
+                _unmap(maps)
+
+        _write_frame(out, READY)
+        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="speculators-compat-saver")
+        while (frame := _read_frame(0)) is not None:
+            pool.submit(save, *pickle.loads(frame))
+    except BaseException:  # noqa: BLE001 - said on stderr; the driver saves what this process did not
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # with requests open, the driver is gone (or out of step): nothing more is finished

@@ -4,10 +4,12 @@ or unstartable saver, and a dead driver cost speed or a clear error, never a fil
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -233,3 +235,133 @@ def test_the_saver_ends_when_its_driver_is_killed(tmp_path):
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     pytest.fail("the saver outlived its driver by 30 s")
+
+
+def _drain_within(queue, seconds: float = 60) -> None:
+    """``queue.drain()``, failing (not hanging) where it does not return in ``seconds``."""
+    import threading
+
+    outcome: list = []
+
+    def run():
+        try:
+            queue.drain()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert outcome, f"drain did not return in {seconds} s (pending {queue._pending}, with the saver {sorted(queue._sent)})"
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_what_cannot_be_described_is_saved_here_and_drain_returns(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    obj, copy = _shared_sample(pool, 0)
+    obj["extra"] = Pair(torch.arange(3), 2)
+    queue.submit(0, output.data_name(0), obj, ROWS, [1])
+    del obj
+    copies = _fill(queue, pool, 2, first=1)
+    _drain_within(queue)
+    assert (queue.saved, queue.saved_by_saver) == (3, 2)
+    assert torch.load(tmp_path / "out" / output.data_name(0), weights_only=False)["extra"].b == 2
+    _check_folder(tmp_path / "out", copies, exact=False)
+
+
+def test_under_warnings_as_errors_a_lost_saver_still_loses_no_sample(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        copies = _fill(queue, pool, 3)
+        os.kill(queue._saver.proc.pid, signal.SIGKILL)
+        copies.update(_fill(queue, pool, 2, first=3))
+        _drain_within(queue)
+    assert queue.saved == 5 and queue.saver_failure
+    _check_folder(tmp_path / "out", copies)
+    assert pool.leased == 0
+
+
+def test_an_interrupt_mid_send_neither_hangs_nor_records_a_wrong_file(tmp_path, monkeypatch):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    copies = _fill(queue, pool, 2)
+    real, calls = saver._write_frame, []
+
+    def cut_short(fd, payload):  # half a frame, then Ctrl-C
+        calls.append(1)
+        if len(calls) == 1:
+            os.write(fd, struct.pack("<Q", len(payload)) + payload[: len(payload) // 2])
+            raise KeyboardInterrupt
+        real(fd, payload)
+
+    monkeypatch.setattr(saver, "_write_frame", cut_short)
+    obj, cut = _shared_sample(pool, 2)
+    with pytest.raises(KeyboardInterrupt):
+        queue.submit(2, output.data_name(2), obj, ROWS, [1])
+    del obj
+    copies.update(_fill(queue, pool, 2, first=3))
+    _drain_within(queue)
+    records = output.Manifest.read(tmp_path / "out").files
+    if 2 in records:  # saved by the threads here once the stopped saver gave it back
+        copies[2] = cut
+    _check_folder(tmp_path / "out", copies)
+    assert queue.saver_failure and pool.leased == 0
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    from pathlib import Path
+    from speculators_compat import output
+    from speculators_compat.exchange import ExchangePool
+    pool, folder = ExchangePool(), Path(sys.argv[1])
+    folder.mkdir()
+    m = output.Manifest(folder)
+    m.start({"format": output.FORMAT}, False)
+    q = output.SaveQueue(m, 2, 1 << 33, False, shared=lambda: pool)
+    keep = []
+    for i in range(8):  # a chunk each, the first ones mapped and saving when this process dies
+        placements, _, _ = pool.allocate({0: 48 << 20})
+        t = torch.frombuffer(pool.lease_view(placements[0], 48 << 20), dtype=torch.bfloat16)
+        t.normal_()
+        keep.append(t)
+    print(q._saver.proc.pid, flush=True)
+    time.sleep(float(sys.argv[2]))  # the saver has started
+    for i, t in enumerate(keep):
+        q.submit(i, output.data_name(i), {"input_ids": torch.arange(4), "hidden_states": [t]}, 4, [1])
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_after_its_driver_is_killed_the_saver_places_no_file(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(output.__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])))
+    folder = tmp_path / "out"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED, str(folder), "8"], stdout=subprocess.PIPE, env=env)
+    pid = int(driver.stdout.readline())
+    driver.wait()
+    placed = set(output.data_files(folder))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1].startswith("Z"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the saver outlived its driver by 60 s")
+    assert set(output.data_files(folder)) == placed  # nothing renamed after the driver went
+    recorded = output.Manifest.read(folder).files
+    for index in placed & set(recorded):
+        data = (folder / output.data_name(index)).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == recorded[index]["sha256"]

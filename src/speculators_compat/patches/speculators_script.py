@@ -360,8 +360,8 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     if writes_lengths:
         _write_lengths(folder, manifest, fsync)
     output.atomic_write_bytes(folder / output.CONFIG, json.dumps(config, indent=2).encode(), fsync)
-    log.info(f"Saved {queue.saved} new data points to {args.output_dir} (largest save backlog "
-             f"{queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
+    log.info(f"Saved {queue.saved} new data points to {args.output_dir} ({queue.saved_by_saver} written by the "
+             f"saver process; largest save backlog {queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
     return queue.saved
 
 
