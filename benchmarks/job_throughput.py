@@ -379,6 +379,8 @@ def main() -> int:
             manifest.start({"format": shim_output.FORMAT, "ablation": mode}, False)
             queue = shim_output.SaveQueue(manifest, shim_output.save_workers(4), 2048 << 20, False,
                                           shared=(lambda: getattr(gen, POOL_ATTR, None)) if mode == "S" else None)
+            if queue._saver is not None:  # started before the pass, as the script starts it before the engine
+                queue._saver.ready.wait(120)
         if platform == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -502,6 +504,8 @@ def main() -> int:
         for side in ("S", "T", "H"):
             if side in rep:
                 rep[f"{side}_ratio"] = rep[side]["tok_s"] / b
+        if "S" in rep:  # S measures the saver only where it wrote every file
+            rep["S_all_by_saver"] = rep["S"]["files_by_saver_process"] == sum(len(x) for x in batches)
         if "P" in rep:  # both on a fresh engine: the script's loop against the generator's first pass
             rep["P_first_over_B"] = rep["P"]["first_pass_tok_s"] / b
             rep["P_second_over_B"] = rep["P"]["second_pass_tok_s"] / b

@@ -215,9 +215,10 @@ def write_tensor_file(obj, path: Path, fsync: bool, digest) -> tuple[Path, int, 
 
 def place_file(tmp: Path, path: Path, fsync: bool) -> None:
     """Renames ``write_tensor_file``'s file to ``path`` (only the run holding the folder's lock
-    does) and removes its hidden folder; a ``tmp`` that is not such a file beside ``path`` is refused."""
+    does) and removes its hidden folder; a ``tmp`` that is not such a file of ``path`` is refused."""
     tmp, path = Path(tmp), Path(path)
-    if tmp.parent.parent != path.parent or not tmp.parent.name.startswith(f"{_TMP_PREFIX}{path.name}."):
+    if (tmp.name != f"{path.stem}.tmp" or tmp.parent.parent != path.parent
+            or not tmp.parent.name.startswith(f"{_TMP_PREFIX}{path.name}.")):
         raise OSError(f"{tmp} is not a temporary file of {path}")
     try:
         os.replace(tmp, path)
@@ -572,18 +573,22 @@ class SaveQueue:
         self.saved_by_saver = 0
         self.blocked_s = 0.0  # time submit() waited for room (the disk or the encoding behind)
         self._shared, self._saver = shared, None
-        self._sent: dict[int, tuple] = {}  # samples with the saver, by index
+        self._live: dict[int, tuple] = {}  # every sample submitted and not finished: finishing takes it out
+        self._sent: dict[int, Path] = {}  # samples with the saver: the absolute path their file goes to
         self.saver_failure: str | None = None
+        self._drained = False
         if shared is not None and encode is None:
             from . import saver
 
             try:
                 self._saver = saver.Saver(max(1, workers), self._replied, self._lost)
-            except (OSError, ValueError, subprocess.SubprocessError) as exc:
-                self._saver_lost(f"{sys.executable} could not start: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the threads here save instead, as before
+                self._saver_lost(f"{sys.executable} could not start: {type(exc).__name__}: {exc}")
 
     def submit(self, index: int, name: str, obj: dict, tokens: int, layer_ids: list[int]) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in obj["hidden_states"])
+        if index in self._live:
+            raise ValueError(f"{name}: already being saved")
         with self._cond:
             t = time.perf_counter()
             while self._error is None and self._inflight and self._inflight + nbytes > self._limit:
@@ -594,26 +599,37 @@ class SaveQueue:
             self._pending += 1
             self.peak_inflight = max(self.peak_inflight, self._inflight)
         job = (index, name, obj, tokens, layer_ids, nbytes)
-        handed = registered = False  # whoever takes a job out of self._sent owns it
+        self._live[index] = job
+        handed = False
         try:
             if self._saver is not None and self.saver_failure is None:
-                from . import saver
-
-                pool = self._shared()
-                description = saver.describe(obj, pool.locate) if pool is not None else None
-                if description is not None:
-                    self._sent[index], registered = job, True
-                    try:
-                        self._saver.send(index, self._manifest.folder / name, self._fsync, description)
-                        handed = True
-                    except saver.SaverGone:
-                        handed = self._sent.pop(index, None) is None  # else it is this thread's to hand on
+                handed = self._to_saver(self._saver, index, name, obj)
             if not handed:
                 self._pool.submit(self._save, *job)
                 handed = True
         finally:
-            if not handed and (not registered or self._sent.pop(index, None) is not None):
-                self._finish(nbytes, None, counted=False)  # interrupted before the hand-off: not saved
+            if not handed:  # interrupted before the hand-off (a save queued anyway still runs; its end is then a no-op)
+                self._finish(index, None, counted=False)
+
+    def _to_saver(self, to, index: int, name: str, obj: dict) -> bool:
+        """True where the saver (or the threads here, should it end) now has the sample."""
+        from . import saver
+
+        try:
+            pool = self._shared()
+            description = saver.describe(obj, pool.locate) if pool is not None else None
+        except Exception as exc:  # noqa: BLE001 - a fault in describing: the threads here save, said once
+            self._saver_lost(f"describing a sample failed: {type(exc).__name__}: {exc}")
+            return False
+        if description is None:
+            return False
+        target = Path(os.path.abspath(self._manifest.folder / name))
+        self._sent[index] = target
+        try:
+            to.send(index, target, self._fsync, description)
+        except saver.SaverGone:
+            return self._sent.pop(index, None) is None  # else this thread hands it on
+        return True
 
     def _save(self, index, name, obj, tokens, layer_ids, nbytes) -> None:
         error = None
@@ -626,7 +642,8 @@ class SaveQueue:
         except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
             error = exc
         finally:
-            self._finish(nbytes, error)
+            del obj
+            self._finish(index, error)
 
     def _record(self, index, name, tokens, layer_ids, size, sha, extra) -> None:
         self._manifest.append({"file": name, "index": index, "tokens": tokens, "layer_ids": layer_ids,
@@ -634,7 +651,14 @@ class SaveQueue:
         if self._on_saved is not None:
             self._on_saved()
 
-    def _finish(self, nbytes: int, error: BaseException | None, counted: bool = True) -> None:
+    def _finish(self, index: int, error: BaseException | None, counted: bool = True) -> None:
+        """The end of ``index``'s save, once (a second call does nothing); its sample is let go
+        (its exchange segments return to the pool)."""
+        job = self._live.pop(index, None)
+        if job is None:
+            return
+        nbytes = job[5]
+        del job
         with self._cond:
             self._error = self._error or error
             self._inflight -= nbytes
@@ -648,33 +672,39 @@ class SaveQueue:
         its error kept, or (a sample it could not map) the sample saved here. Never raises."""
         from . import saver
 
-        job = self._sent.pop(index, None)
-        if job is None:
+        target = self._sent.pop(index, None)
+        job = self._live.get(index)
+        if target is None or job is None:
             return
         if isinstance(result, saver.NotShared):  # it could not map the sample: saved here, and what follows
-            self._pool.submit(self._save, *job)
+            self._resubmit(job)
             self._saver_lost(str(result))
             return
         error = result if isinstance(result, BaseException) else None
         try:
             if error is None:
                 tmp, size, sha = result
-                place_file(Path(tmp), self._manifest.folder / job[1], self._fsync)
-                self._record(job[0], job[1], job[3], job[4], size, sha, {})
+                place_file(Path(tmp), target, self._fsync)
+                self._record(index, job[1], job[3], job[4], size, sha, {})
                 self.saved_by_saver += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
             error = exc
-        nbytes = job[5]
-        del job  # the sample's tensors go: their exchange segments return to the pool
-        self._finish(nbytes, error)
+        del job
+        self._finish(index, error)
 
     def _lost(self, indices: list, why: str) -> None:
         """The saver ended with ``indices`` open (or never started): they are saved here. Never raises."""
         for index in indices:
-            job = self._sent.pop(index, None)
-            if job is not None:
-                self._pool.submit(self._save, *job)
+            job = self._live.get(index)
+            if self._sent.pop(index, None) is not None and job is not None:
+                self._resubmit(job)
         self._saver_lost(why)
+
+    def _resubmit(self, job: tuple) -> None:
+        try:
+            self._pool.submit(self._save, *job)
+        except BaseException as exc:  # noqa: BLE001 - never lost: its end is an error instead
+            self._finish(job[0], exc)
 
     def _saver_lost(self, why: str) -> None:
         if self.saver_failure is None:
@@ -688,9 +718,14 @@ class SaveQueue:
             raise RuntimeError(f"saving a data file failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def drain(self) -> None:
+        """Waits for every save, ends the saver and the threads, and raises a failed save's error
+        (once: a second call returns at once)."""
+        if self._drained:
+            return
         with self._cond:
             while self._pending:
                 self._cond.wait()
+        self._drained = True
         if self._saver is not None:
             self._saver.close()
         self._pool.shutdown(wait=True)

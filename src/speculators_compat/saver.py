@@ -94,7 +94,7 @@ def describe(obj, locate):
 
     try:
         return walk(obj)
-    except Exception:  # noqa: BLE001 - anything it cannot walk is saved by the driver, as before
+    except NotShared:
         return None
 
 
@@ -134,6 +134,7 @@ class Saver:
         self._writing = threading.Lock()  # the request pipe (held across a write, never with _lock)
         self._open: set = set()  # keys sent and not answered
         self._closing = False
+        self.ready = threading.Event()  # set once the saver said READY
         self._stopped: str | None = None  # why this side stopped the saver
         self.failure: str | None = None
         req_r, self._req = os.pipe()
@@ -199,9 +200,13 @@ class Saver:
                 why = f"the saver process did not start within {READY_S:.0f} s"
             else:
                 first = _read_frame(self._rep)
-                if first != READY:
-                    why = (f"{sys.executable} did not start the saver (exit code {self.proc.poll()})"
-                           if first is None else f"the saver process answered {first[:100]!r}, not {READY!r}")
+                if first == READY:
+                    self.ready.set()
+                elif first is None:
+                    _wait(self.proc)
+                    why = f"{sys.executable} did not start the saver (exit code {self.proc.poll()}; its error above)"
+                else:
+                    why = f"the saver process answered {first[:100]!r}, not {READY!r}"
             while why is None:
                 frame = _read_frame(self._rep)
                 if frame is None:
@@ -215,14 +220,14 @@ class Saver:
         if why is not None:
             self._stop(why)  # a saver out of step: a send blocked on it returns (EPIPE)
         why = self._stopped or why
-        with self._lock:
-            lost, self._open = sorted(self._open, key=repr), set()
-            self.failure = why or f"the saver process ended (exit code {self.proc.poll()})"
         with self._writing:
             self._close_fd(self._req)
             self._close_fd(self._rep)
         _wait(self.proc)
-        if lost or (why and not self._closing):
+        with self._lock:
+            lost, self._open = sorted(self._open, key=repr), set()
+            self.failure = why or f"the saver process ended (exit code {self.proc.poll()})"
+        if lost or not self._closing:
             self._on_lost(lost, self.failure)
 
     def _close_fd(self, fd: int) -> None:  # under self._writing
@@ -238,7 +243,7 @@ class Saver:
             self._close_fd(self._req)
         _wait(self.proc, 60)
         if self._reader is not threading.current_thread():
-            self._reader.join()
+            self._reader.join(60)  # its end of the reply pipe may be held by a child forked meanwhile
 
 
 def _wait(proc: subprocess.Popen, seconds: float = 10) -> None:

@@ -365,3 +365,70 @@ def test_after_its_driver_is_killed_the_saver_places_no_file(tmp_path):
     for index in placed & set(recorded):
         data = (folder / output.data_name(index)).read_bytes()
         assert hashlib.sha256(data).hexdigest() == recorded[index]["sha256"]
+
+
+def test_a_relative_output_folder_gets_its_files_placed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pool = ExchangePool()
+    queue = _queue(Path("out"), pool)
+    copies = _fill(queue, pool, 3)  # the saver is told absolute paths; the driver places them there
+    _drain_within(queue)
+    assert (queue.saved, queue.saved_by_saver, queue.saver_failure) == (3, 3, None)
+    _check_folder(tmp_path / "out", copies)
+
+
+def test_a_saver_that_dies_idle_is_said_once_and_the_threads_save(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    assert queue._saver.ready.wait(120)
+    with pytest.warns(RuntimeWarning, match="written by this process"):
+        os.kill(queue._saver.proc.pid, signal.SIGKILL)
+        queue._saver._reader.join(30)
+    assert queue.saver_failure
+    copies = _fill(queue, pool, 2)
+    _drain_within(queue)
+    assert (queue.saved, queue.saved_by_saver) == (2, 0)
+    _check_folder(tmp_path / "out", copies)
+
+
+def test_a_fault_in_describing_is_said_once_and_the_threads_save(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+
+    class Broken:
+        def locate(self, ptr, nbytes):
+            raise AttributeError("no such thing")
+
+    queue._shared = lambda: Broken()
+    with pytest.warns(RuntimeWarning, match="describing a sample failed: AttributeError"):
+        copies = _fill(queue, pool, 2)
+    _drain_within(queue)
+    assert (queue.saved, queue.saved_by_saver) == (2, 0)
+    _check_folder(tmp_path / "out", copies)
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_an_interrupt_in_handing_a_sample_to_the_threads_never_hangs_drain(tmp_path, queued):
+    pool = ExchangePool()
+    folder = tmp_path / "out"
+    folder.mkdir()
+    manifest = output.Manifest(folder)
+    manifest.start({"format": output.FORMAT}, False)
+    queue = output.SaveQueue(manifest, 2, 1 << 30, False)
+    real = queue._pool.submit
+
+    def interrupted(*args):
+        if queued:
+            real(*args)
+        raise KeyboardInterrupt
+
+    queue._pool.submit = interrupted
+    obj, copy = _shared_sample(pool, 0)
+    with pytest.raises(KeyboardInterrupt):
+        queue.submit(0, output.data_name(0), obj, ROWS, [1])
+    queue._pool.submit = real
+    del obj
+    _drain_within(queue)
+    assert queue._pending == 0 and queue._inflight == 0 and pool.leased == 0
+    if 0 in output.Manifest.read(folder).files:
+        _check_folder(folder, {0: copy})

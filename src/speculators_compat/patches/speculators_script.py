@@ -199,8 +199,7 @@ def _data_config(script: dict, args, generator, num_samples: int, folder: Path) 
 
 def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     from .. import get_registry, output, settings, storage
-    from ..extraction.driver import CHECK_ATTR, POOL_ATTR, TIMINGS_ATTR
-    from ..extraction.selfcheck import SelfCheckFailed
+    from ..extraction.driver import POOL_ATTR
 
     log = script.get("log") or _log
     folder = Path(args.output_dir)
@@ -271,19 +270,6 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     if done:
         getattr(log, "subsection", log.info)(f"Resuming: {len(done)} of {n} files complete ({output.MANIFEST}); "
                        f"{len(batches)} batch(es) of {bs} to run")
-    getattr(log, "subsection", log.info)("Initializing vLLM hidden states generator")  # a plain logger has no subsection
-    generator = script["VllmHiddenStatesGenerator"](
-        model_path=args.target_model_path, layer_ids=args.layer_ids, max_model_len=args.seq_length,
-        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
-    layer_ids = [int(x) for x in generator.layer_ids]
-    config = _data_config(script, args, generator, n, folder)
-    if store:
-        config[storage.FORMAT_KEY] = {"format": store, "hidden_states": storage.LAYOUT}
-    recorded = (manifest.data_config or {}).get("hidden_states", {}).get("layer_ids")
-    if recorded is not None and recorded != config.get("hidden_states", {}).get("layer_ids"):
-        raise SystemExit(f"speculators-compat: {folder} holds data of layers {recorded}; this run captures "
-                         f"{layer_ids}; use a new --output-dir")
-    manifest.append({"data_config": config})
     last = [time.monotonic()]
 
     def saved() -> None:  # sample_lengths.json: a consistent subset while running, at most every 30 s
@@ -297,8 +283,37 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
                        else {})
 
     workers = int(script.get("MAX_IO_WORKERS", 4))  # FP8: half the bytes to hash, encoding's copies on each thread
+    built: list = []  # the generator, once built: its exchange pool is what the saver process reads
+    # made before the engine loads, so the saver process has imported torch by the first batch
     queue = output.SaveQueue(manifest, workers if store else output.save_workers(workers), limit, fsync, saved,
-                             encode if store else None, shared=lambda: getattr(generator, POOL_ATTR, None))
+                             encode if store else None, shared=lambda: getattr(built[0], POOL_ATTR, None))
+    try:
+        getattr(log, "subsection", log.info)("Initializing vLLM hidden states generator")  # a plain logger has no subsection
+        generator = script["VllmHiddenStatesGenerator"](
+            model_path=args.target_model_path, layer_ids=args.layer_ids, max_model_len=args.seq_length,
+            gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
+        built.append(generator)
+        return _generate_and_save(script, args, dataset, log, folder, manifest, queue, generator, store, limit,
+                                  fsync, writes_lengths, n, first, bs, done, batches)
+    finally:
+        queue.drain()  # a generate error is raised after the saves already begun are complete
+
+
+def _generate_and_save(script, args, dataset, log, folder, manifest, queue, generator, store, limit, fsync,
+                       writes_lengths, n, first, bs, done, batches) -> int:
+    from .. import output, settings, storage
+    from ..extraction.driver import CHECK_ATTR, POOL_ATTR, TIMINGS_ATTR
+    from ..extraction.selfcheck import SelfCheckFailed
+
+    layer_ids = [int(x) for x in generator.layer_ids]
+    config = _data_config(script, args, generator, n, folder)
+    if store:
+        config[storage.FORMAT_KEY] = {"format": store, "hidden_states": storage.LAYOUT}
+    recorded = (manifest.data_config or {}).get("hidden_states", {}).get("layer_ids")
+    if recorded is not None and recorded != config.get("hidden_states", {}).get("layer_ids"):
+        raise SystemExit(f"speculators-compat: {folder} holds data of layers {recorded}; this run captures "
+                         f"{layer_ids}; use a new --output-dir")
+    manifest.append({"data_config": config})
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
     canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
@@ -334,7 +349,7 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
     finally:
         loop_s = time.perf_counter() - loop_start
         log.info("Waiting for remaining file saves to complete...")
-        queue.drain()  # a generate error is raised after the saves already begun are complete
+        queue.drain()  # a generate error is raised after the saves already begun are complete (drain again: no-op)
     if generate_s:
         log.info(f"speculators_compat timing: loop {loop_s:.3f} s over {len(generate_s)} batch(es): generate "
                  f"{sum(generate_s):.3f} s (first batch {generate_s[0]:.3f} s), waiting for saves "
