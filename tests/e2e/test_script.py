@@ -86,6 +86,14 @@ def test_no_noise_at_exit(run):
     assert "Exception ignored in" not in run["stderr"], run["stderr"][-3000:]
 
 
+def test_every_file_was_written_by_the_saver_process(run):
+    """Outside the driver's process: the run's last line counts the files its saver process wrote."""
+    found = re.search(r"Saved (\d+) new data points to .* \((\d+) written by the saver process", run["stderr"] + run.get("stdout", ""))
+    assert found, (run["stderr"] + run.get("stdout", ""))[-3000:]
+    assert found.group(1) == found.group(2) == str(len(sp.chat_rows()))
+    assert "data files are written by this process" not in run["stderr"]
+
+
 def test_input_ids_and_loss_mask_are_speculators_preprocessing(files, preprocessed):
     dataset, tokenizer = preprocessed
     assert len(files) == len(dataset)
