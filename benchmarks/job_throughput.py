@@ -35,7 +35,8 @@ workers wait on a socket, not spinning.
 (``output.SaveQueue`` on ``save_workers(4)`` threads with the exchange pool: the saver process
 writes) fed by the generator; T, the same queue without the pool (every file saved by this
 process's threads, as up to src tree d084725); H, outputs held two batches, not saved.
-``--fresh-side`` adds P, the generator alone in a fresh process (a new engine like the script's):
+Before the repetitions, one untimed S pass grows the exchange pool to what saving holds (as in a
+long job), so S, T and H meet the same pool. ``--fresh-side`` adds P, the generator alone in a fresh process (a new engine like the script's):
 its first pass is as cold as the script's loop (``A_over_P_first``: the script against the
 generator, both cold), its second as warm as B.
 ``--fp8-side`` adds F, the script with ``SPECULATORS_COMPAT_STORE_DTYPE=fp8``, to the rotation (its
@@ -423,6 +424,7 @@ def main() -> int:
                 "chunk_mib_made": (after.get("bytes_created", 0) - before.get("bytes_created", 0)) / 2**20}
 
     warm_b = pass_b()
+    warm_s = pass_b("S") if args.inproc_sides else None  # the pool grown to what saving holds, once (a long job's state)
     print(json.dumps({"init_B_s": init_b, "warmup_B_s": warm_b}), flush=True)
 
     from speculators_compat_testbed.provenance import portable_command, portable_path, provenance, scrub_paths
@@ -445,7 +447,8 @@ def main() -> int:
                      "conversations_per_class": n, "kv_cache_bytes": os.environ.get("SPECULATORS_COMPAT_KV_CACHE_BYTES")},
         "data": {"conversations": len(rows), "samples": len(lengths), "tokens": tokens, "batches": len(batches),
                  "by_class": by_class},
-        "warmup": {"A": public(warm_a), "B_init_s": init_b, "B_pass_s": warm_b, "B_tok_s": tokens / warm_b},
+        "warmup": {"A": public(warm_a), "B_init_s": init_b, "B_pass_s": warm_b, "B_tok_s": tokens / warm_b,
+                   "S_pass": warm_s},
         "summary": None,
         "reps": reps,
     }
