@@ -3,8 +3,9 @@
 The driver describes each sample (a tensor in an exchange chunk by its chunk, byte range, dtype,
 shape and strides; a small tensor by its bytes) and never copies it; the saver maps that range
 read-only through ``/proc/<driver>/fd/<fd>`` (identity checked), rebuilds the same tensors and
-writes and hashes the file under its temporary name (``output.write_tensor_file``) on its own
-threads, so no pickling, writing or hashing holds the driver's GIL. The driver renames it (only
+writes the file under its temporary name (``output.write_tensor_file``; SHA-256 by a checksum
+helper per thread, as in the driver) on its own threads, so no pickling, writing or hashing
+holds the driver's GIL. The driver renames it (only
 the holder of the folder's lock places files). Frames on the saver's own pipes: 8-byte length +
 pickle. It says READY once torch is imported, and ends at the end of its requests or any error.
 """
@@ -383,7 +384,7 @@ def main() -> None:
                 except (OSError, NotShared, RuntimeError, ValueError, TypeError, KeyError) as exc:
                     reply(key, ("NotShared", 0, f"{type(exc).__name__}: {exc}"), None)
                     return
-                tmp, size, sha = output.write_tensor_file(obj, Path(path), fsync, output._digest)
+                tmp, size, sha = output.write_tensor_file(obj, Path(path), fsync, output._digest_saved)
                 del obj
                 reply(key, None, (str(tmp), size, sha))
             except BaseException as exc:  # noqa: BLE001 - every outcome is the driver's to judge
