@@ -84,6 +84,10 @@ SETTINGS: dict[str, Setting] = {
         Setting("SPECULATORS_COMPAT_MAX_NUM_BATCHED_TOKENS", "number", 0.0,
                 "tokens per engine step (`max_num_batched_tokens`; longer prompts are prefilled in chunks); "
                 "0: speculators' choice", minimum=-1),
+        Setting("SPECULATORS_COMPAT_SAVE_PROCESS", "flag", False,
+                "speculators' script under `run`: bf16 data files are written by one saver process reading the "
+                "captured rows from shared memory (no pickling, writing or hashing in the driver's process); "
+                "off: by save threads in it (on an H100 the saver process was not yet faster)"),
         Setting("SPECULATORS_COMPAT_SAVE_BUFFER_MB", "number", 2048.0,
                 "the script's samples waiting to be saved, at most (MiB); the loop waits beyond it", minimum=0),
         Setting("SPECULATORS_COMPAT_STORE_DTYPE", "text", "auto",

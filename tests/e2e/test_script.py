@@ -1,7 +1,8 @@
 """speculators' own ``scripts/data_generation_offline.py`` (the released file, unmodified) under
 ``speculators-compat run``, on a local ShareGPT-style JSONL with a tiny chat model, end to end.
 
-One script run per module (one engine start): every output file is checked row by row against
+One script run per module (one engine start; its files written by the saver process, opt-in;
+the resume tests run the default save threads): every output file is checked row by row against
 HF transformers on the same tokens, ``input_ids``/``loss_mask`` against speculators' own
 preprocessing of the same data, and the metadata files the script writes at the end. The same
 script without the launcher fails (the negative control that the launcher is what makes it run).
@@ -26,7 +27,7 @@ TOLERANCE_BF16 = 3e-2  # per token row, relative (README "Tolerance"); a misplac
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    r = sp.run_script(tmp_path_factory.mktemp("script"))
+    r = sp.run_script(tmp_path_factory.mktemp("script"), extra_env={"SPECULATORS_COMPAT_SAVE_PROCESS": "1"})
     print(f"\nspeculators' script under speculators-compat run: exit {r['returncode']} in {r['seconds']:.1f} s")
     assert r["returncode"] == 0, f"script failed (exit {r['returncode']}); stderr tail:\n{r['stderr'][-4000:]}"
     return r
@@ -87,7 +88,8 @@ def test_no_noise_at_exit(run):
 
 
 def test_every_file_was_written_by_the_saver_process(run):
-    """Outside the driver's process: the run's last line counts the files its saver process wrote."""
+    """With SPECULATORS_COMPAT_SAVE_PROCESS=1, outside the driver's process: the run's last line
+    counts the files its saver process wrote."""
     found = re.search(r"Saved (\d+) new data points to .* \((\d+) written by the saver process", run["stderr"] + run.get("stdout", ""))
     assert found, (run["stderr"] + run.get("stdout", ""))[-3000:]
     assert found.group(1) == found.group(2) == str(len(sp.chat_rows()))

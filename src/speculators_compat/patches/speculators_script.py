@@ -284,9 +284,10 @@ def _resumable_run(script: dict, writes_lengths: bool, args, dataset) -> int:
 
     workers = int(script.get("MAX_IO_WORKERS", 4))  # FP8: half the bytes to hash, encoding's copies on each thread
     built: list = []  # the generator, once built: its exchange pool is what the saver process reads
-    # made before the engine loads, so the saver process has imported torch by the first batch
+    # made before the engine loads, so a saver process (SPECULATORS_COMPAT_SAVE_PROCESS) has imported torch by the first batch
     queue = output.SaveQueue(manifest, workers if store else output.save_workers(workers), limit, fsync, saved,
-                             encode if store else None, shared=lambda: getattr(built[0], POOL_ATTR, None))
+                             encode if store else None,
+                             shared=(lambda: getattr(built[0], POOL_ATTR, None)) if settings.flag("SPECULATORS_COMPAT_SAVE_PROCESS") else None)
     try:
         getattr(log, "subsection", log.info)("Initializing vLLM hidden states generator")  # a plain logger has no subsection
         generator = script["VllmHiddenStatesGenerator"](
