@@ -199,8 +199,8 @@ def test_a_save_error_in_the_saver_is_raised_with_its_cause(tmp_path):
     assert not list((tmp_path / "out").glob("*.pt")) and pool.leased == 0
 
 
-DRIVER = textwrap.dedent("""
-    import sys, time, torch
+PREAMBLE = """
+    import os, signal, sys, time, torch
     from pathlib import Path
     from speculators_compat import output
     from speculators_compat.exchange import ExchangePool
@@ -208,6 +208,8 @@ DRIVER = textwrap.dedent("""
     folder.mkdir()
     m = output.Manifest(folder)
     m.start({"format": output.FORMAT}, False)
+"""
+DRIVER = textwrap.dedent(PREAMBLE + """
     q = output.SaveQueue(m, 2, 1 << 30, False, shared=lambda: pool)
     time.sleep(0.5)
     print(q._saver.proc.pid, flush=True)
@@ -215,26 +217,35 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_the_saver_ends_when_its_driver_is_killed(tmp_path):
+def _driver(code: str, *args: str) -> tuple[subprocess.Popen, int]:
+    """(a driver process running ``code``, the pid of its saver, which it prints)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(output.__file__).parents[1]),
                                                                      os.environ.get("PYTHONPATH")])))
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "out")], stdout=subprocess.PIPE, env=env)
-    pid = int(driver.stdout.readline())
+    driver = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, env=env)
+    return driver, int(driver.stdout.readline())
+
+
+def _ended_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` ends (or is a zombie: its parent was the driver) within ``seconds``; killed if not."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def test_the_saver_ends_when_its_driver_is_killed(tmp_path):
+    driver, pid = _driver(DRIVER, str(tmp_path / "out"))
     os.kill(pid, 0)  # the saver runs
     driver.kill()
     driver.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(") ")[-1].startswith("Z"):  # ended (a zombie: its parent was the driver)
-                return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    pytest.fail("the saver outlived its driver by 30 s")
+    assert _ended_within(pid, 30), "the saver outlived its driver by 30 s"
 
 
 def _drain_within(queue, seconds: float = 60) -> None:
@@ -316,15 +327,7 @@ def test_an_interrupt_mid_send_neither_hangs_nor_records_a_wrong_file(tmp_path, 
     assert queue.saver_failure and pool.leased == 0
 
 
-KILLED = textwrap.dedent("""
-    import os, signal, sys, time, torch
-    from pathlib import Path
-    from speculators_compat import output
-    from speculators_compat.exchange import ExchangePool
-    pool, folder = ExchangePool(), Path(sys.argv[1])
-    folder.mkdir()
-    m = output.Manifest(folder)
-    m.start({"format": output.FORMAT}, False)
+KILLED = textwrap.dedent(PREAMBLE + """
     q = output.SaveQueue(m, 2, 1 << 33, False, shared=lambda: pool)
     keep = []
     for i in range(8):  # a chunk each, the first ones mapped and saving when this process dies
@@ -341,25 +344,11 @@ KILLED = textwrap.dedent("""
 
 
 def test_after_its_driver_is_killed_the_saver_places_no_file(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(output.__file__).parents[1]),
-                                                                     os.environ.get("PYTHONPATH")])))
     folder = tmp_path / "out"
-    driver = subprocess.Popen([sys.executable, "-c", KILLED, str(folder), "8"], stdout=subprocess.PIPE, env=env)
-    pid = int(driver.stdout.readline())
+    driver, pid = _driver(KILLED, str(folder), "8")
     driver.wait()
     placed = set(output.data_files(folder))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[-1].startswith("Z"):
-                    break
-        except FileNotFoundError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        pytest.fail("the saver outlived its driver by 60 s")
+    assert _ended_within(pid, 60), "the saver outlived its driver by 60 s"
     assert set(output.data_files(folder)) == placed  # nothing renamed after the driver went
     recorded = output.Manifest.read(folder).files
     for index in placed & set(recorded):
