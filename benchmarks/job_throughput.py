@@ -40,7 +40,8 @@ long job), so S, T and H meet the same pool. ``--fresh-side`` adds P, the genera
 its first pass is as cold as the script's loop (``A_over_P_first``: the script against the
 generator, both cold), its second as warm as B.
 ``--fp8-side`` adds F, the script with ``SPECULATORS_COMPAT_STORE_DTYPE=fp8``, to the rotation (its
-ratios to B and its bytes per token against A's).
+ratios to B and its bytes per token against A's). ``--saver-side`` adds V, the script with
+``SPECULATORS_COMPAT_SAVE_PROCESS=1`` (its files by the saver process; ``V_all_by_saver`` from its log).
 
     python benchmarks/job_throughput.py --hidden 128 --layers 4 --n 8 --batch-size 4 --reps 2 --out r.json
 """
@@ -83,6 +84,9 @@ _TIMING = re.compile(r"speculators_compat timing: loop ([\d.]+) s over (\d+) bat
 
 _INSIDE = re.compile(r"inside generate: begin ([\d.]+) s, steps ([\d.]+) s, finish ([\d.]+) s, the rest ([\d.]+) s; "
                      r"exchange: (\d+) chunk\(s\) made \((\d+) MiB\), (\d+) dropped")
+
+
+_BY_SAVER = re.compile(r"\((\d+) written by the saver process")
 
 
 def _ts(match: re.Match) -> float:
@@ -184,6 +188,9 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
         return res
     m = parse_marks(proc.stderr + "\n" + proc.stdout)
     t = _TIMING.search(proc.stderr + "\n" + proc.stdout)  # the shim's own line: where the loop's time went
+    v = _BY_SAVER.search(proc.stderr + "\n" + proc.stdout)
+    if v:
+        res["files_by_saver_process"] = int(v[1])
     if t:
         res["loop_timing"] = {"loop_s": float(t[1]), "batches": int(t[2]), "generate_s": float(t[3]),
                               "first_batch_s": float(t[4]), "blocked_on_saves_s": float(t[5])}
@@ -304,6 +311,8 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--fp8-side", action="store_true",
                    help="a third side F: the script with SPECULATORS_COMPAT_STORE_DTYPE=fp8, in the same rotation")
+    p.add_argument("--saver-side", action="store_true",
+                   help="a side V: the script with SPECULATORS_COMPAT_SAVE_PROCESS=1, in the same rotation")
     p.add_argument("--inproc-sides", action="store_true",
                    help="ablations in this process beside B: S (the script's save path) and H (outputs held)")
     p.add_argument("--fresh-side", action="store_true",
@@ -462,6 +471,8 @@ def main() -> int:
 
     write()
     sides = ["A", "F", "B"] if args.fp8_side else ["A", "B"]
+    if args.saver_side:
+        sides.insert(1, "V")
     if args.inproc_sides:
         sides += ["S", "T", "H"]
     if args.fresh_side:
@@ -470,8 +481,8 @@ def main() -> int:
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         rep: dict = {"order": order}
         for side in order:
-            if side in ("A", "F"):
-                env = {"SPECULATORS_COMPAT_STORE_DTYPE": "fp8"} if side == "F" else None
+            if side in ("A", "F", "V"):
+                env = {"F": {"SPECULATORS_COMPAT_STORE_DTYPE": "fp8"}, "V": {"SPECULATORS_COMPAT_SAVE_PROCESS": "1"}}.get(side)
                 a = run_script(args, script, model, data, work, f"rep{r}_{side.lower()}", env)
                 if a["returncode"] != 0:
                     print(a.get("stderr_tail", ""), file=sys.stderr)
@@ -499,7 +510,7 @@ def main() -> int:
         # warm-up apart: both sides without their first batch (A's engine is fresh; B's has run before)
         first_tokens = sum(len(x) for x in batches[0])
         b_steady = (tokens - first_tokens) / rep["B"]["after_first_s"]
-        for side in ("A", "F"):
+        for side in ("A", "F", "V"):
             lt = rep.get(side, {}).get("loop_timing")
             if lt and "generate_phase_s" in rep[side]:
                 rep[f"{side}_ratio_generate_phase_after_first_batch"] = (
@@ -516,6 +527,9 @@ def main() -> int:
                 rep["A_over_P_first"] = a["tok_s_generate_phase"] / rep["P"]["first_pass_tok_s"]
             if "F" in rep and "tok_s_generate_phase" in rep["F"]:
                 rep["F_over_P_first"] = rep["F"]["tok_s_generate_phase"] / rep["P"]["first_pass_tok_s"]
+        if "V" in rep:
+            rep["V_ratio_generate_phase"] = rep["V"].get("tok_s_generate_phase", float("nan")) / b
+            rep["V_all_by_saver"] = rep["V"].get("files_by_saver_process") == rep["V"].get("files")
         if "F" in rep:
             f = rep["F"]
             rep["F_ratio_generate_phase"] = f.get("tok_s_generate_phase", float("nan")) / b
@@ -545,11 +559,11 @@ def main() -> int:
         "engine_init_s": {"A_median": statistics.median(r["A"]["engine_init_s"] for r in reps), "B": init_b},
         "A_bytes_per_token": statistics.median(r["A"]["bytes_per_token"] for r in reps),
     }
-    for side in ("A", "F"):
+    for side in ("A", "F", "V"):
         key = f"{side}_ratio_generate_phase_after_first_batch"
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
-    for key in ("S_ratio", "T_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
+    for key in ("V_ratio_generate_phase", "S_ratio", "T_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
     if args.fp8_side:

@@ -339,10 +339,6 @@ class ExchangePool:
                 return (chunk.fd, chunk.dev, chunk.ino, chunk.size), ptr - chunk.base
         return None
 
-    def live(self) -> list[tuple[int, int]]:
-        """(dev, inode) of this pool's chunks: a saver drops its mappings of any other."""
-        return [(c.dev, c.ino) for c in list(self.chunks.values())]
-
     def forget(self, chunks: list[Chunk]) -> None:
         """Drop idle chunks from the pool (the workers drop them at the next call)."""
         for chunk in chunks:

@@ -25,9 +25,10 @@ import sys
 import threading
 import time
 import warnings
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from .child import PipedChild
 
 MANIFEST = "speculators_compat_manifest.jsonl"
 LENGTHS = "sample_lengths.json"
@@ -301,26 +302,12 @@ class _HelperGone(RuntimeError):
     pass
 
 
-class _Helper:
-    """One save thread's checksum helper process, on pipes of its own (closed in a forked child);
-    it ends when its thread does, or at exit."""
+class _Helper(PipedChild):
+    """One save thread's checksum helper process (``child.PipedChild``); it ends when its thread
+    does, or at exit."""
 
     def __init__(self):
-        req_r, self.req = os.pipe()
-        self.rep, rep_w = os.pipe()
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _HELPER_CODE], stdin=req_r, stdout=rep_w,
-                                         stderr=subprocess.DEVNULL, start_new_session=True)
-        except BaseException:
-            os.close(self.req)
-            os.close(self.rep)
-            raise
-        finally:
-            os.close(req_r)
-            os.close(rep_w)
-        self.fds = [self.req, self.rep]  # emptied once closed
-        self._finalizer = weakref.finalize(self, _end, self.proc, self.fds)
-        _LIVE.add(self)
+        super().__init__([sys.executable, "-I", "-S", "-c", _HELPER_CODE], stderr=subprocess.DEVNULL)
         if self._line(_READY_S) != _READY:
             self.close()
             raise _HelperGone(f"{sys.executable} -I -S did not start as a Python interpreter")
@@ -356,35 +343,7 @@ class _Helper:
                               f"(exit code {self.proc.poll()})")
         return match
 
-    def close(self) -> None:
-        self._finalizer()
 
-
-def _end(proc: subprocess.Popen, fds: list) -> None:
-    """Closes a helper's pipes (it exits at the end of its input) and waits for it; kills it after 5 s."""
-    while fds:
-        with contextlib.suppress(OSError):
-            os.close(fds.pop())
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-def _forget_helpers_in_child() -> None:
-    """A forked child closes its copies of the helpers' pipes (a helper must see its end when this
-    process ends) and leaves the helpers, which are not its own, alone."""
-    for helper in list(_LIVE):
-        helper._finalizer.detach()
-        while helper.fds:
-            with contextlib.suppress(OSError):
-                os.close(helper.fds.pop())
-    _LIVE.clear()
-
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # helpers of this process
-os.register_at_fork(after_in_child=_forget_helpers_in_child)
 _helper_broken: list[str] = []  # why helpers cannot run here (then hashing stays in this process)
 
 
@@ -577,7 +536,8 @@ class SaveQueue:
         self._sent: dict[int, Path] = {}  # samples with the saver: the absolute path their file goes to
         self.saver_failure: str | None = None
         self._drained = False
-        if shared is not None and encode is None:
+        self.uses_saver = shared is not None and encode is None  # asked for (it may not have started)
+        if self.uses_saver:
             from . import saver
 
             try:
@@ -703,8 +663,8 @@ class SaveQueue:
     def _resubmit(self, job: tuple) -> None:
         try:
             self._pool.submit(self._save, *job)
-        except BaseException as exc:  # noqa: BLE001 - never lost: its end is an error instead
-            self._finish(job[0], exc)
+        except BaseException as exc:  # noqa: BLE001 - never lost: its end is an error instead (a shut pool: Ctrl-C)
+            self._finish(job[0], exc.with_traceback(None))  # its frames would keep the sample alive
 
     def _saver_lost(self, why: str) -> None:
         if self.saver_failure is None:
@@ -719,13 +679,20 @@ class SaveQueue:
 
     def drain(self) -> None:
         """Waits for every save, ends the saver and the threads, and raises a failed save's error
-        (once: a second call returns at once)."""
+        (once: a second call returns at once, also after an interrupted one)."""
         if self._drained:
             return
-        with self._cond:
-            while self._pending:
-                self._cond.wait()
         self._drained = True
+        try:
+            with self._cond:
+                while self._pending:
+                    self._cond.wait()
+        except BaseException:  # Ctrl-C: saves not begun are dropped (a resumed run makes them), the saver ended
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._saver is not None:
+                self.saver_failure = self.saver_failure or "interrupted"  # its open samples end as errors, unwarned
+                self._saver.close(wait_s=0)
+            raise
         if self._saver is not None:
             self._saver.close()
         self._pool.shutdown(wait=True)

@@ -19,12 +19,13 @@ import pickle
 import select
 import stat
 import struct
-import subprocess
 import sys
 import threading
 import warnings
-import weakref
 from pathlib import Path
+
+from . import child
+from .child import PipedChild
 
 READY = b"READY speculators-compat-saver 2 " + os.fsencode(os.path.realpath(__file__))  # this very file
 READY_S = 120.0  # how long the saver may take to import torch
@@ -123,7 +124,7 @@ def _read_frame(fd: int) -> bytes | None:
     return _read_exact(fd, struct.unpack("<Q", head)[0])
 
 
-class Saver:
+class Saver(PipedChild):
     """One saver process with ``workers`` threads. ``on_reply(key, (tmp, size, sha) or exception)``
     runs on this object's reader thread for each request; ``on_lost(keys, why)`` once, with the
     requests still open, where the process ended early or could not start (no reply after it).
@@ -138,28 +139,9 @@ class Saver:
         self.ready = threading.Event()  # set once the saver said READY
         self._stopped: str | None = None  # why this side stopped the saver
         self.failure: str | None = None
-        req_r, self._req = os.pipe()
-        self._rep, rep_w = os.pipe()
-        for fd in (self._req, self._rep):
-            with contextlib.suppress(OSError, AttributeError):
-                import fcntl
-
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         package_root = str(Path(__file__).resolve().parent.parent)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _MAIN, package_root, str(workers), str(os.getpid()), str(rep_w)],
-                stdin=req_r, pass_fds=(rep_w,), start_new_session=True)
-        except BaseException:
-            os.close(self._req)
-            os.close(self._rep)
-            raise
-        finally:
-            os.close(req_r)
-            os.close(rep_w)
-        self.fds = [self._req, self._rep]  # emptied once closed (a forked child closes its copies)
-        self._finalizer = weakref.finalize(self, _end, self.proc, self.fds)
-        _LIVE.add(self)
+        super().__init__([sys.executable, "-c", _MAIN, package_root, str(workers), str(os.getpid())],
+                         reply_arg=True, pipe_bytes=_PIPE_BYTES, wait_s=10)
         self._reader = threading.Thread(target=self._read_replies, name="speculators-compat-saver-replies",
                                         daemon=True)
         self._reader.start()
@@ -174,9 +156,9 @@ class Saver:
             self._open.add(key)
         try:
             with self._writing:
-                if self._req not in self.fds:
+                if self.req not in self.fds:
                     raise OSError(0, "its pipe is closed")
-                _write_frame(self._req, payload)
+                _write_frame(self.req, payload)
         except OSError as exc:
             with self._lock:
                 if key not in self._open:  # already handed to on_lost
@@ -196,20 +178,20 @@ class Saver:
         why = None
         try:
             poller = select.poll()
-            poller.register(self._rep, select.POLLIN)
+            poller.register(self.rep, select.POLLIN)
             if not poller.poll(READY_S * 1000):
                 why = f"the saver process did not start within {READY_S:.0f} s"
             else:
-                first = _read_frame(self._rep)
+                first = _read_frame(self.rep)
                 if first == READY:
                     self.ready.set()
                 elif first is None:
-                    _wait(self.proc)
+                    child.wait(self.proc, 10)
                     why = f"{sys.executable} did not start the saver (exit code {self.proc.poll()}; its error above)"
                 else:
                     why = f"the saver process answered {first[:100]!r}, not {READY!r}"
             while why is None:
-                frame = _read_frame(self._rep)
+                frame = _read_frame(self.rep)
                 if frame is None:
                     break
                 key, error, result = pickle.loads(frame)
@@ -222,9 +204,9 @@ class Saver:
             self._stop(why)  # a saver out of step: a send blocked on it returns (EPIPE)
         why = self._stopped or why
         with self._writing:
-            self._close_fd(self._req)
-            self._close_fd(self._rep)
-        _wait(self.proc)
+            self._close_fd(self.req)
+            self._close_fd(self.rep)
+        child.wait(self.proc, 10)
         with self._lock:
             lost, self._open = sorted(self._open, key=repr), set()
             self.failure = why or f"the saver process ended (exit code {self.proc.poll()})"
@@ -236,44 +218,15 @@ class Saver:
             self.fds.remove(fd)
             os.close(fd)
 
-    def close(self) -> None:
-        """Ends the saver: the end of its requests (it exits; killed after a minute), then its
+    def close(self, wait_s: float = 60) -> None:
+        """Ends the saver: the end of its requests (it exits; killed after ``wait_s``), then its
         last replies read."""
         self._closing = True
         with self._writing:
-            self._close_fd(self._req)
-        _wait(self.proc, 60)
+            self._close_fd(self.req)
+        child.wait(self.proc, wait_s)
         if self._reader is not threading.current_thread():
             self._reader.join(60)  # its end of the reply pipe may be held by a child forked meanwhile
-
-
-def _wait(proc: subprocess.Popen, seconds: float = 10) -> None:
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=seconds)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-def _end(proc: subprocess.Popen, fds: list) -> None:
-    while fds:
-        with contextlib.suppress(OSError):
-            os.close(fds.pop())
-    _wait(proc)
-
-
-def _forget_in_child() -> None:
-    """A forked child closes its copies of the savers' pipes (a saver must see its driver end)."""
-    for saver in list(_LIVE):
-        saver._finalizer.detach()
-        while saver.fds:
-            with contextlib.suppress(OSError):
-                os.close(saver.fds.pop())
-    _LIVE.clear()
-
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _rebuild_error(error: tuple) -> BaseException:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from speculators_compat import output  # noqa: E402
+from speculators_compat import child, output  # noqa: E402
 
 
 def sample(rows: int, hidden: int = 64, layers: int = 3, seed: int = 0) -> dict:
@@ -352,7 +353,7 @@ def test_a_forked_child_lets_go_of_the_helpers_pipes(tmp_path, fresh_helpers):
     pid = os.fork()
     if pid == 0:  # the child: its copies of the pipes are closed, and it may start its own helper
         try:
-            closed = not helper.fds and not output._LIVE
+            closed = not helper.fds and not child._LIVE
             (tmp_path / "x").write_bytes(b"child")
             ok = output._digest_saved(tmp_path / "x", False) == (5, hashlib.sha256(b"child").hexdigest())
         finally:
@@ -413,6 +414,32 @@ def test_a_failed_save_is_raised_with_its_cause(tmp_path, monkeypatch):
         q.drain()
     assert calls.is_set() and output.Manifest.read(tmp_path).files == {}
 
+
+
+def test_ctrl_c_in_drain_drops_the_saves_not_begun_and_a_second_drain_returns_at_once(tmp_path, monkeypatch):
+    real, started, release = output.save_tensor_file, [], threading.Event()
+
+    def stuck(obj, path, fsync=False):
+        started.append(path.name)
+        release.wait(5)  # on the unfixed queue the second drain waits for this and the 3 others
+        return real(obj, path, fsync)
+
+    monkeypatch.setattr(output, "save_tensor_file", stuck)
+    m = output.Manifest(tmp_path)
+    m.start({}, fsync=False)
+    q = output.SaveQueue(m, workers=1, limit_bytes=1 << 30, fsync=False)
+    for i in range(4):
+        q.submit(i, output.data_name(i), sample(8, seed=i), 8, [1])
+    threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        q.drain()
+    t = time.monotonic()
+    q.drain()
+    assert time.monotonic() - t < 1
+    release.set()
+    q._pool.shutdown(wait=True)
+    assert started == ["data_0.pt"]  # the one running finished; the three queued were dropped
+    assert sorted(output.Manifest.read(tmp_path).files) == [0]
 
 # -- the run's self-check: a sample captured twice must keep its rows ----------------------------
 

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -176,9 +177,6 @@ def test_a_chunk_the_saver_cannot_open_as_described_is_saved_here(tmp_path):
             place = pool.locate(ptr, nbytes)
             return None if place is None else ((place[0][0], place[0][1], place[0][2] + 1, place[0][3]), place[1])
 
-        def live(self):
-            return pool.live()
-
     queue._shared = lambda: Misdescribed()
     with pytest.warns(RuntimeWarning, match="not the exchange chunk"):
         copies = _fill(queue, pool, 3)
@@ -186,6 +184,26 @@ def test_a_chunk_the_saver_cannot_open_as_described_is_saved_here(tmp_path):
     assert (queue.saved, queue.saved_by_saver) == (3, 0)
     _check_folder(tmp_path / "out", copies)
 
+
+
+def test_ctrl_c_in_drain_ends_the_saver_unwarned_and_a_second_drain_returns_at_once(tmp_path):
+    pool = ExchangePool()
+    queue = _queue(tmp_path / "out", pool)
+    assert queue._saver.ready.wait(saver.READY_S)
+    pid = queue._saver.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # a saver that answers nothing: drain waits until interrupted
+    threading.Timer(5, lambda: subprocess.run(["kill", "-CONT", str(pid)], stderr=subprocess.DEVNULL)).start()  # the unfixed queue waits for it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fill(queue, pool, 3)
+        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
+        with pytest.raises(KeyboardInterrupt):
+            queue.drain()
+        t = time.monotonic()
+        queue.drain()
+    assert time.monotonic() - t < 1
+    assert queue._saver.proc.poll() is not None and queue.saver_failure == "interrupted"
+    assert queue.saved == 0 and not list((tmp_path / "out").glob("*.pt")) and pool.leased == 0
 
 def test_a_save_error_in_the_saver_is_raised_with_its_cause(tmp_path):
     pool = ExchangePool()

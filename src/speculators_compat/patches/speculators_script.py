@@ -376,8 +376,9 @@ def _generate_and_save(script, args, dataset, log, folder, manifest, queue, gene
     if writes_lengths:
         _write_lengths(folder, manifest, fsync)
     output.atomic_write_bytes(folder / output.CONFIG, json.dumps(config, indent=2).encode(), fsync)
-    log.info(f"Saved {queue.saved} new data points to {args.output_dir} ({queue.saved_by_saver} written by the "
-             f"saver process; largest save backlog {queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
+    by_saver = f"{queue.saved_by_saver} written by the saver process; " if queue.uses_saver else ""
+    log.info(f"Saved {queue.saved} new data points to {args.output_dir} ({by_saver}largest save backlog "
+             f"{queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
     return queue.saved
 
 
