@@ -565,7 +565,7 @@ class SaveQueue:
             if self._saver is not None and self.saver_failure is None:
                 handed = self._to_saver(self._saver, index, name, obj)
             if not handed:
-                self._pool.submit(self._save, *job)
+                self._to_threads(job)
                 handed = True
         finally:
             if not handed:  # interrupted before the hand-off (a save queued anyway still runs; its end is then a no-op)
@@ -660,9 +660,18 @@ class SaveQueue:
                 self._resubmit(job)
         self._saver_lost(why)
 
+    def _to_threads(self, job: tuple) -> None:
+        index = job[0]
+
+        def ended(future) -> None:  # a save cancelled before it began (Ctrl-C in drain) still ends, uncounted
+            if future.cancelled():
+                self._finish(index, None, counted=False)
+
+        self._pool.submit(self._save, *job).add_done_callback(ended)
+
     def _resubmit(self, job: tuple) -> None:
         try:
-            self._pool.submit(self._save, *job)
+            self._to_threads(job)
         except BaseException as exc:  # noqa: BLE001 - never lost: its end is an error instead (a shut pool: Ctrl-C)
             self._finish(job[0], exc.with_traceback(None))  # its frames would keep the sample alive
 
@@ -682,17 +691,18 @@ class SaveQueue:
         (once: a second call returns at once, also after an interrupted one)."""
         if self._drained:
             return
-        self._drained = True
         try:
             with self._cond:
                 while self._pending:
                     self._cond.wait()
         except BaseException:  # Ctrl-C: saves not begun are dropped (a resumed run makes them), the saver ended
+            self._drained = True
             self._pool.shutdown(wait=False, cancel_futures=True)
             if self._saver is not None:
                 self.saver_failure = self.saver_failure or "interrupted"  # its open samples end as errors, unwarned
                 self._saver.close(wait_s=0)
             raise
+        self._drained = True
         if self._saver is not None:
             self._saver.close()
         self._pool.shutdown(wait=True)

@@ -430,6 +430,8 @@ def test_ctrl_c_in_drain_drops_the_saves_not_begun_and_a_second_drain_returns_at
     q = output.SaveQueue(m, workers=1, limit_bytes=1 << 30, fsync=False)
     for i in range(4):
         q.submit(i, output.data_name(i), sample(8, seed=i), 8, [1])
+    while not started:  # the first save has begun
+        time.sleep(0.01)
     threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
     with pytest.raises(KeyboardInterrupt):
         q.drain()
@@ -440,6 +442,7 @@ def test_ctrl_c_in_drain_drops_the_saves_not_begun_and_a_second_drain_returns_at
     q._pool.shutdown(wait=True)
     assert started == ["data_0.pt"]  # the one running finished; the three queued were dropped
     assert sorted(output.Manifest.read(tmp_path).files) == [0]
+    assert (q._pending, q._inflight, sorted(q._live)) == (0, 0, [])  # the dropped ones let go of their samples
 
 # -- the run's self-check: a sample captured twice must keep its rows ----------------------------
 

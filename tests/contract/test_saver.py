@@ -5,6 +5,7 @@ or unstartable saver, and a dead driver cost speed or a clear error, never a fil
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import pickle
@@ -186,13 +187,18 @@ def test_a_chunk_the_saver_cannot_open_as_described_is_saved_here(tmp_path):
 
 
 
+def _continue(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_ctrl_c_in_drain_ends_the_saver_unwarned_and_a_second_drain_returns_at_once(tmp_path):
     pool = ExchangePool()
     queue = _queue(tmp_path / "out", pool)
     assert queue._saver.ready.wait(saver.READY_S)
     pid = queue._saver.proc.pid
     os.kill(pid, signal.SIGSTOP)  # a saver that answers nothing: drain waits until interrupted
-    threading.Timer(5, lambda: subprocess.run(["kill", "-CONT", str(pid)], stderr=subprocess.DEVNULL)).start()  # the unfixed queue waits for it
+    threading.Timer(5, _continue, (pid,)).start()  # the unfixed queue waits for it
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _fill(queue, pool, 3)
