@@ -87,6 +87,7 @@ _INSIDE = re.compile(r"inside generate: begin ([\d.]+) s, steps ([\d.]+) s, fini
 
 
 _BY_SAVER = re.compile(r"\((\d+) written by the saver process")
+_RESERVED = re.compile(r"exchange reserved before the loop: (\d+) MiB \(\d+ x (\d+) tokens\) in ([\d.]+) s")
 
 
 def _ts(match: re.Match) -> float:
@@ -189,6 +190,9 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     m = parse_marks(proc.stderr + "\n" + proc.stdout)
     t = _TIMING.search(proc.stderr + "\n" + proc.stdout)  # the shim's own line: where the loop's time went
     v = _BY_SAVER.search(proc.stderr + "\n" + proc.stdout)
+    r = _RESERVED.search(proc.stderr + "\n" + proc.stdout)
+    if r:  # made while the engine starts (in engine_init_s), not in the loop
+        res["exchange_reserved"] = {"mib": int(r[1]), "tokens_per_call": int(r[2]), "seconds": float(r[3])}
     if v:
         res["files_by_saver_process"] = int(v[1])
     if t:

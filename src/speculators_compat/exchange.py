@@ -165,7 +165,8 @@ class ExchangePool:
         self._released: collections.deque = collections.deque()
         # (bytes the caller still held + the call, the call) of the last WINDOW allocations
         self._recent: collections.deque = collections.deque(maxlen=WINDOW)
-        self.stats = {"calls": 0, "chunks_created": 0, "chunks_dropped": 0, "bytes_created": 0}
+        self.stats = {"calls": 0, "chunks_created": 0, "chunks_dropped": 0, "bytes_created": 0,
+                      "chunks_reserved": 0, "bytes_reserved": 0}
 
     # -- bookkeeping --------------------------------------------------------------------
     @property
@@ -206,6 +207,17 @@ class ExchangePool:
         self.stats["chunks_created"] += 1
         self.stats["bytes_created"] += size
         return chunk
+
+    def reserve(self, nbytes: int) -> list[Chunk]:
+        """Grow to at least ``nbytes`` before the first call (what the first calls would grow to
+        inside the caller's loop): the new chunks, for the workers to map. Kept by the same rule as
+        grown ones: a chunk the calls use stays."""
+        if nbytes <= self.capacity:
+            return []
+        chunk = self._new_chunk(_round_up(nbytes - self.capacity, MIN_CHUNK))
+        self.stats["chunks_reserved"] += 1
+        self.stats["bytes_reserved"] += chunk.size
+        return [chunk]
 
     # -- one generate call ----------------------------------------------------------------
     def allocate(self, sizes: dict) -> tuple[dict, list[Chunk], list[int]]:

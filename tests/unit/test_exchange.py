@@ -229,3 +229,24 @@ def test_allocate_runs_lays_a_run_back_to_back_and_gives_it_all_back(tmp_path):
     assert pool.leased == 0
     chunk = pool.chunks[new[0].id]
     assert chunk.free == [(0, chunk.size)]  # the pieces coalesced back into one free range
+
+
+def test_a_reserve_made_before_the_calls_holds_calls_and_saves_without_growth(pool):
+    """``reserve`` grows once, rounded to MIN_CHUNK; calls and results held within it make no
+    memory and do not drop it; a reserve the pool already holds makes nothing."""
+    call = {f"r{i}": MIN_CHUNK // 4 for i in range(2)}  # half a chunk per call
+    new = pool.reserve(2 * MIN_CHUNK + 1)
+    assert [c.size for c in new] == [3 * MIN_CHUNK] and pool.capacity == 3 * MIN_CHUNK
+    assert pool.stats["chunks_reserved"] == 1 and pool.stats["bytes_reserved"] == 3 * MIN_CHUNK
+    assert pool.reserve(3 * MIN_CHUNK) == [] and pool.reserve(MIN_CHUNK) == []
+    held = []
+    for n in range(300):  # more than WINDOW calls; the caller keeps two calls' results alive
+        placements, made, dropped = pool.allocate(call)
+        assert made == [] and dropped == [], n
+        held.append(_views(pool, placements, call))
+        if len(held) > 2:
+            held.pop(0)
+    assert pool.stats["chunks_created"] == 1 and pool.capacity == 3 * MIN_CHUNK
+    # beyond the reserve, the pool grows as before
+    placements, made, _ = pool.allocate({"big": 2 * MIN_CHUNK})
+    assert len(made) == 1 and pool.stats["chunks_reserved"] == 1

@@ -191,6 +191,39 @@ def _generate(self, token_ids):
     return results
 
 
+def reserve(self, tokens_per_call: int, calls: float) -> tuple[int, float]:
+    """Grow the generator's exchange to ``calls`` calls of ``tokens_per_call`` tokens (every
+    captured layer) and map it in the workers now, not inside the caller's first calls: (bytes
+    made, seconds). Memory that cannot be had is left to the calls (ExchangeError); after any
+    other failure the next call works or says why not."""
+    import torch
+
+    with _generator_lock(self):
+        if getattr(self, BROKEN_ATTR, None):
+            return 0, 0.0  # its next call says why
+        model_config = self.vllm_config.model_config
+        itemsize = torch.empty((), dtype=model_config.dtype).element_size()
+        layers = len(inputs.check_layer_ids(self.layer_ids)[0])
+        nbytes = int(tokens_per_call * layers * model_config.get_hidden_size() * itemsize * calls)
+        pool = getattr(self, POOL_ATTR, None)
+        if pool is None:
+            pool = ExchangePool()
+            setattr(self, POOL_ATTR, pool)
+        started = time.perf_counter()
+        new = pool.reserve(nbytes)
+        if not new:
+            return 0, time.perf_counter() - started
+        begin = protocol.Begin(call=-1, caller_pid=os.getpid(), new_chunks={c.id: c.ref() for c in new},
+                               live_chunks=tuple(sorted(pool.chunks)), pin=settings.flag("SPECULATORS_COMPAT_PIN"))
+        try:
+            rpc(self.executor, protocol.BEGIN, begin)  # maps (and page-locks) the chunks; no placements
+            rpc(self.executor, protocol.ABORT)
+        except BaseException as exc:
+            _recover(self, [], exc, pool, {}, new)
+            raise
+        return sum(c.size for c in new), time.perf_counter() - started
+
+
 def _tally(self, checked: dict | None, call_s: float, check_s: float) -> None:
     """Add one call to the generator's self-check tally (``CHECK_ATTR``): every call's time, and
     the checked calls' results and timed work (what ``selfcheck.due`` weighs)."""

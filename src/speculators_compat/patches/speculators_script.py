@@ -315,10 +315,11 @@ def _generate_and_save(script, args, dataset, log, folder, manifest, queue, gene
         raise SystemExit(f"speculators-compat: {folder} holds data of layers {recorded}; this run captures "
                          f"{layer_ids}; use a new --output-dir")
     manifest.append({"data_config": config})
-    log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
-    progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
     canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
                      first in done)
+    _reserve_exchange(generator, dataset, args, log, bs, n, batches, canary)
+    log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
+    progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
     generate_s: list[float] = []  # per batch, for the timing line at the end
     phases: dict[str, float] = {}  # inside generate(), summed over the batches
     loop_start = time.perf_counter()
@@ -400,8 +401,37 @@ def _pool_text(pool) -> str:
     if pool is None:
         return "exchange: none"
     st = pool.stats
-    return (f"exchange: {st['chunks_created']} chunk(s) made ({st['bytes_created'] / 2**20:.0f} MiB), "
-            f"{st['chunks_dropped']} dropped, over {st['calls']} call(s)")
+    made, made_bytes = st["chunks_created"] - st["chunks_reserved"], st["bytes_created"] - st["bytes_reserved"]
+    return (f"exchange: {made} chunk(s) made ({made_bytes / 2**20:.0f} MiB), {st['chunks_dropped']} dropped, "
+            f"over {st['calls']} call(s); {st['bytes_reserved'] / 2**20:.0f} MiB reserved before the loop")
+
+
+RESERVE_CALLS = 4  # one call computing, one of room, two held by the saves (the pool grew to 4.2 x a call at 384 samples, H100)
+RESERVE_LOOKAHEAD = 8  # batches whose token counts size the reserve
+
+
+def _reserve_exchange(generator, dataset, args, log, bs: int, n: int, batches: list, canary) -> None:
+    """The exchange grown and mapped in the workers before the loop (``driver.reserve``), sized
+    from the largest of the first batches to run: the loop then makes no memory (where the data
+    keep that size). Memory that cannot be had is left to the loop, as before; a warning says so."""
+    from .. import get_registry
+    from ..extraction import driver
+
+    if not get_registry().is_applied("generate-driver") or not batches:
+        return  # speculators' own generate: no exchange
+    cap = int(args.seq_length)
+    tokens = max(sum(min(len(ids), cap) for ids in dataset[s:min(s + bs, n)]["input_ids"])
+                 for s in batches[:RESERVE_LOOKAHEAD])
+    tokens += min(len(canary.ids), cap) if canary.ids is not None else 0
+    try:
+        made, seconds = driver.reserve(generator, tokens, RESERVE_CALLS)
+    except Exception as exc:  # noqa: BLE001 - the loop grows the exchange as it needs (or says why it cannot)
+        log.warning(f"speculators_compat: exchange not reserved before the loop ({(str(exc) or type(exc).__name__).splitlines()[0]}); "
+                    "the first batches make it")
+        return
+    if made:
+        log.info(f"speculators_compat: exchange reserved before the loop: {made / 2**20:.0f} MiB "
+                 f"({RESERVE_CALLS} x {tokens} tokens) in {seconds:.3f} s")
 
 
 class _Canary:
