@@ -42,6 +42,8 @@ generator, both cold), its second as warm as B.
 ``--fp8-side`` adds F, the script with ``SPECULATORS_COMPAT_STORE_DTYPE=fp8``, to the rotation (its
 ratios to B and its bytes per token against A's). ``--saver-side`` adds V, the script with
 ``SPECULATORS_COMPAT_SAVE_PROCESS=1`` (its files by the saver process; ``V_all_by_saver`` from its log).
+The script reserves its exchange after the engine starts, before "Processing" (in ``engine_init_s``);
+``*_ratio_generate_phase_with_reserve`` counts those seconds back into the generate phase.
 
     python benchmarks/job_throughput.py --hidden 128 --layers 4 --n 8 --batch-size 4 --reps 2 --out r.json
 """
@@ -191,7 +193,7 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     t = _TIMING.search(proc.stderr + "\n" + proc.stdout)  # the shim's own line: where the loop's time went
     v = _BY_SAVER.search(proc.stderr + "\n" + proc.stdout)
     r = _RESERVED.search(proc.stderr + "\n" + proc.stdout)
-    if r:  # made while the engine starts (in engine_init_s), not in the loop
+    if r:  # made after the engine starts, before the loop: in engine_init_s, not the generate phase
         res["exchange_reserved"] = {"mib": int(r[1]), "tokens_per_call": int(r[2]), "seconds": float(r[3])}
     if v:
         res["files_by_saver_process"] = int(v[1])
@@ -531,6 +533,11 @@ def main() -> int:
                 rep["A_over_P_first"] = a["tok_s_generate_phase"] / rep["P"]["first_pass_tok_s"]
             if "F" in rep and "tok_s_generate_phase" in rep["F"]:
                 rep["F_over_P_first"] = rep["F"]["tok_s_generate_phase"] / rep["P"]["first_pass_tok_s"]
+        for side in ("A", "V"):  # the exchange reserved before the loop counted back in (it moved, not went)
+            got = rep.get(side, {})
+            if "exchange_reserved" in got and "generate_phase_s" in got:
+                rep[f"{side}_ratio_generate_phase_with_reserve"] = (
+                    tokens / (got["generate_phase_s"] + got["exchange_reserved"]["seconds"]) / b)
         if "V" in rep:
             rep["V_ratio_generate_phase"] = rep["V"].get("tok_s_generate_phase", float("nan")) / b
             rep["V_all_by_saver"] = rep["V"].get("files_by_saver_process") == rep["V"].get("files")
@@ -567,7 +574,7 @@ def main() -> int:
         key = f"{side}_ratio_generate_phase_after_first_batch"
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
-    for key in ("V_ratio_generate_phase", "S_ratio", "T_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
+    for key in ("A_ratio_generate_phase_with_reserve", "V_ratio_generate_phase_with_reserve", "V_ratio_generate_phase", "S_ratio", "T_ratio", "H_ratio", "P_first_over_B", "P_second_over_B", "A_over_P_first", "F_over_P_first"):
         if all(key in r for r in reps):
             summary[key] = stats([r[key] for r in reps])
     if args.fp8_side:

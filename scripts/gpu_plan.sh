@@ -10,7 +10,7 @@
 # install (~30 s) added by INSTALL_S. The first 8B-shape step of a machine (selfcheck, capture_b*)
 # also builds that model (~120 s, in selfcheck's and job's estimates; job: the script vs the generator,
 # carry .gpu/job-whl; session 28's 335 s limit ended it after its warm-up; joblong: 384 samples, the script
-# with the saver process as a side V, no fresh side; jobfsync: the same scripts with every file fsynced, A V B only). save: the save path's
+# with the saver process as a side V, no fresh side; jobfsync: the same scripts with every file fsynced, A V B only; jobreserve: A V B, 2 reps, the exchange reserved before the loop). save: the save path's
 # interference benchmark, paced and unpaced, and the disk's write speed (torch only). One rehearsal per step: two engines
 # starting at once on one GPU break vLLM's memory profiling (logs/s27: Kimi-K2.5 beside DeepSeek-V3).
 set -uo pipefail
@@ -19,7 +19,7 @@ t0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 INSTALL_S=${INSTALL_S:-30}
 OUT=${OUT:-${TMPDIR:-/tmp}/out}; mkdir -p "$OUT"
-declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek-v3]=200 [rehearse_kimi-k2.5]=240 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300 [job]=480 [joblong]=500 [jobfsync]=380 [save]=200)
+declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek-v3]=200 [rehearse_kimi-k2.5]=240 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300 [job]=480 [joblong]=500 [jobfsync]=380 [jobreserve]=540 [save]=200)
 step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exports
   case $1 in
     e2e) echo "export GPU_STEPS=e2e" ;;
@@ -29,6 +29,7 @@ step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exp
     job) echo "export GPU_STEPS=job JOB_SHAPE='--hidden 4096 --layers 32 --n 64 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--inproc-sides --fresh-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096" ;;
     joblong) echo "export GPU_STEPS=job JOB_SHAPE='--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--inproc-sides --saver-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192" ;;
     jobfsync) echo "export GPU_STEPS=job SPECULATORS_COMPAT_OUTPUT_FSYNC=1 JOB_SHAPE='--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--saver-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192_fsync" ;;
+    jobreserve) echo "export GPU_STEPS=job JOB_SHAPE='--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--saver-side' JOB_REPS=2 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192_r2" ;;
     save) echo "export GPU_STEPS=save" ;;
     capture_b*) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=${1#capture_b} CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
   esac

@@ -210,11 +210,13 @@ class ExchangePool:
 
     def reserve(self, nbytes: int) -> list[Chunk]:
         """Grow to at least ``nbytes`` before the first call (what the first calls would grow to
-        inside the caller's loop): the new chunks, for the workers to map. Kept by the same rule as
-        grown ones: a chunk the calls use stays."""
-        if nbytes <= self.capacity:
+        inside the caller's loop), never past half the folder's free space: the new chunks, for
+        the workers to map. Kept by the same rule as grown ones: a chunk the calls use stays."""
+        st = os.statvfs(self.directory)
+        grow = min(_round_up(nbytes - self.capacity, MIN_CHUNK), st.f_bavail * st.f_frsize // 2 // MIN_CHUNK * MIN_CHUNK)
+        if nbytes <= self.capacity or grow <= 0:
             return []
-        chunk = self._new_chunk(_round_up(nbytes - self.capacity, MIN_CHUNK))
+        chunk = self._new_chunk(grow)
         self.stats["chunks_reserved"] += 1
         self.stats["bytes_reserved"] += chunk.size
         return [chunk]

@@ -96,14 +96,17 @@ def test_every_file_was_written_by_the_saver_process(run):
     assert "data files are written by this process" not in run["stderr"]
 
 
-def test_the_exchange_is_reserved_before_the_loop_and_the_loop_makes_none(run):
-    """The exchange is made and mapped in the workers before "Processing" (engine start), not in
-    the first batches: the loop's own line counts no chunk made (its rows are checked below)."""
+def test_the_exchange_is_reserved_before_the_loop_and_the_loop_makes_none(run, preprocessed):
+    """The exchange is made and mapped in the workers before "Processing", not in the first
+    batches, sized from the largest batch plus the canary sample: the loop's own line counts no
+    chunk made (a chunk the workers had not mapped fails the first call; rows are checked below)."""
     log = run["stderr"] + run.get("stdout", "")
-    reserved = re.search(r"exchange reserved before the loop: (\d+) MiB", log)
+    reserved = re.search(r"exchange reserved before the loop: (\d+) MiB \(4 x (\d+) tokens\)", log)
     processing = re.search(r"Processing \d+/\d+ samples", log)
     assert reserved and processing and reserved.start() < processing.start(), log[-3000:]
-    assert int(reserved.group(1)) > 0
+    lengths = [min(len(ids), sp.SEQ_LENGTH) for ids in preprocessed[0]["input_ids"]]
+    largest = max(sum(lengths[s:s + sp.BATCH_SIZE]) for s in range(0, len(lengths), sp.BATCH_SIZE))
+    assert int(reserved.group(2)) == largest + lengths[0] and int(reserved.group(1)) > 0
     made = re.search(r"exchange: (\d+) chunk\(s\) made \((\d+) MiB\), \d+ dropped, over \d+ call\(s\); "
                      r"(\d+) MiB reserved before the loop", log)
     assert made and made.group(1) == "0" and made.group(3) == reserved.group(1), log[-3000:]

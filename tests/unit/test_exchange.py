@@ -250,3 +250,18 @@ def test_a_reserve_made_before_the_calls_holds_calls_and_saves_without_growth(po
     # beyond the reserve, the pool grows as before
     placements, made, _ = pool.allocate({"big": 2 * MIN_CHUNK})
     assert len(made) == 1 and pool.stats["chunks_reserved"] == 1
+
+
+def test_a_reserve_adds_only_what_the_pool_lacks_and_never_half_the_free_space(pool, monkeypatch):
+    pool.allocate({"a": MIN_CHUNK // 2})  # the first call made one chunk
+    assert pool.capacity == MIN_CHUNK
+    assert [c.size for c in pool.reserve(3 * MIN_CHUNK)] == [2 * MIN_CHUNK]
+    assert pool.capacity == 3 * MIN_CHUNK
+
+    class Full:  # the folder has 5 chunks' worth free: a reserve takes at most 2 of them
+        f_bavail, f_frsize = 5 * MIN_CHUNK // 4096, 4096
+
+    monkeypatch.setattr(exchange.os, "statvfs", lambda _d: Full)
+    assert [c.size for c in pool.reserve(10 * MIN_CHUNK)] == [2 * MIN_CHUNK]
+    Full.f_bavail = MIN_CHUNK // 4096
+    assert pool.reserve(20 * MIN_CHUNK) == []  # less than a chunk may be taken: nothing

@@ -191,37 +191,43 @@ def _generate(self, token_ids):
     return results
 
 
-def reserve(self, tokens_per_call: int, calls: float) -> tuple[int, float]:
-    """Grow the generator's exchange to ``calls`` calls of ``tokens_per_call`` tokens (every
-    captured layer) and map it in the workers now, not inside the caller's first calls: (bytes
-    made, seconds). Memory that cannot be had is left to the calls (ExchangeError); after any
-    other failure the next call works or says why not."""
-    import torch
-
+def reserve(self, nbytes: int) -> tuple[int, float]:
+    """Grow the generator's exchange to ``nbytes`` and map it in the workers before the caller's
+    loop, not inside its first calls: (bytes made, seconds). Memory that cannot be had is left to
+    the calls (ExchangeError); after any other failure the next call works or says why not."""
     with _generator_lock(self):
         if getattr(self, BROKEN_ATTR, None):
             return 0, 0.0  # its next call says why
-        model_config = self.vllm_config.model_config
-        itemsize = torch.empty((), dtype=model_config.dtype).element_size()
-        layers = len(inputs.check_layer_ids(self.layer_ids)[0])
-        nbytes = int(tokens_per_call * layers * model_config.get_hidden_size() * itemsize * calls)
         pool = getattr(self, POOL_ATTR, None)
         if pool is None:
             pool = ExchangePool()
             setattr(self, POOL_ATTR, pool)
         started = time.perf_counter()
-        new = pool.reserve(nbytes)
-        if not new:
-            return 0, time.perf_counter() - started
-        begin = protocol.Begin(call=-1, caller_pid=os.getpid(), new_chunks={c.id: c.ref() for c in new},
-                               live_chunks=tuple(sorted(pool.chunks)), pin=settings.flag("SPECULATORS_COMPAT_PIN"))
+        new: list = []
         try:
-            rpc(self.executor, protocol.BEGIN, begin)  # maps (and page-locks) the chunks; no placements
-            rpc(self.executor, protocol.ABORT)
+            new = pool.reserve(nbytes)
+            if new:
+                begin = protocol.Begin(call=-1, caller_pid=os.getpid(), new_chunks={c.id: c.ref() for c in new},
+                                       live_chunks=tuple(sorted(pool.chunks)),
+                                       pin=settings.flag("SPECULATORS_COMPAT_PIN"))
+                rpc(self.executor, protocol.BEGIN, begin)  # maps (and page-locks) the chunks; no placements
+                rpc(self.executor, protocol.ABORT)
         except BaseException as exc:
-            _recover(self, [], exc, pool, {}, new)
+            if new:
+                _recover(self, [], exc, pool, {}, new)
+                pool.stats["chunks_reserved"] -= len(new)
+                pool.stats["bytes_reserved"] -= sum(c.size for c in new)
             raise
         return sum(c.size for c in new), time.perf_counter() - started
+
+
+def call_bytes(self, tokens: int) -> int:
+    """Exchange bytes of one call of ``tokens`` tokens: every captured layer's rows."""
+    import torch
+
+    model_config = self.vllm_config.model_config
+    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
+    return tokens * len(inputs.check_layer_ids(self.layer_ids)[0]) * model_config.get_hidden_size() * itemsize
 
 
 def _tally(self, checked: dict | None, call_s: float, check_s: float) -> None:

@@ -317,7 +317,7 @@ def _generate_and_save(script, args, dataset, log, folder, manifest, queue, gene
     manifest.append({"data_config": config})
     canary = _Canary(folder, manifest, first, dataset, int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_EVERY")),
                      first in done)
-    _reserve_exchange(generator, dataset, args, log, bs, n, batches, canary)
+    _reserve_exchange(generator, dataset, args, log, bs, n, batches, canary, limit)
     log.info(f"Processing {sum(first + i not in done for i in range(n))}/{n} samples")
     progress = script.get("tqdm", lambda it, **kw: it)(batches, desc="Generating hidden states", total=len(batches))
     generate_s: list[float] = []  # per batch, for the timing line at the end
@@ -410,11 +410,13 @@ RESERVE_CALLS = 4  # one call computing, one of room, two held by the saves (the
 RESERVE_LOOKAHEAD = 8  # batches whose token counts size the reserve
 
 
-def _reserve_exchange(generator, dataset, args, log, bs: int, n: int, batches: list, canary) -> None:
-    """The exchange grown and mapped in the workers before the loop (``driver.reserve``), sized
-    from the largest of the first batches to run: the loop then makes no memory (where the data
-    keep that size). Memory that cannot be had is left to the loop, as before; a warning says so."""
+def _reserve_exchange(generator, dataset, args, log, bs: int, n: int, batches: list, canary, limit: int) -> None:
+    """The exchange grown and mapped in the workers after the engine starts, before the loop
+    (``driver.reserve``): 4 calls of the largest of the first batches to run, at most 2 calls plus
+    the save buffer (what the loop itself can grow to); 2 calls where that cannot be had. Memory
+    that cannot be had at all is left to the loop, as before; a warning says so."""
     from .. import get_registry
+    from ..exchange import ExchangeError
     from ..extraction import driver
 
     if not get_registry().is_applied("generate-driver") or not batches:
@@ -424,14 +426,21 @@ def _reserve_exchange(generator, dataset, args, log, bs: int, n: int, batches: l
                  for s in batches[:RESERVE_LOOKAHEAD])
     tokens += min(len(canary.ids), cap) if canary.ids is not None else 0
     try:
-        made, seconds = driver.reserve(generator, tokens, RESERVE_CALLS)
+        call = driver.call_bytes(generator, tokens)
+        for calls in (RESERVE_CALLS, 2):
+            try:
+                made, seconds = driver.reserve(generator, min(calls * call, 2 * call + limit))
+                break
+            except ExchangeError:
+                if calls == 2:
+                    raise
     except Exception as exc:  # noqa: BLE001 - the loop grows the exchange as it needs (or says why it cannot)
-        log.warning(f"speculators_compat: exchange not reserved before the loop ({(str(exc) or type(exc).__name__).splitlines()[0]}); "
-                    "the first batches make it")
+        log.warning(f"speculators_compat: exchange not reserved before the loop "
+                    f"({(str(exc) or type(exc).__name__).splitlines()[0]}); the first batches make it")
         return
     if made:
         log.info(f"speculators_compat: exchange reserved before the loop: {made / 2**20:.0f} MiB "
-                 f"({RESERVE_CALLS} x {tokens} tokens) in {seconds:.3f} s")
+                 f"({calls} x {tokens} tokens) in {seconds:.3f} s")
 
 
 class _Canary:
