@@ -20,6 +20,7 @@ JOBRESERVE_REPS=${JOBRESERVE_REPS:-2}
 DEADLINE_S=${DEADLINE_S:-570}
 INSTALL_S=${INSTALL_S:-30}
 OUT=${OUT:-${TMPDIR:-/tmp}/out}; mkdir -p "$OUT"
+N192="--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31"  # the 384-sample job shape of joblong, jobfsync, jobreserve
 declare -A EST=([e2e]=150 [hybrid]=270 [rehearse_deepseek-v3]=200 [rehearse_kimi-k2.5]=240 [selfcheck]=260 [capture_b64]=220 [capture_b128]=300 [job]=480 [joblong]=500 [jobfsync]=380 [jobreserve]=${JOBRESERVE_EST:-$((JOBRESERVE_REPS == 1 ? 400 : 540))} [save]=200)
 step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exports
   case $1 in
@@ -28,9 +29,9 @@ step_env() {  # the gpu_run.sh settings of one step ($2: its time limit), as exp
     rehearse_*) echo "export GPU_STEPS=rehearse REHEARSE_DENSE= REHEARSE_MLA=${1#rehearse_} REHEARSE_TIMEOUT=$2" ;;
     selfcheck) echo "export GPU_STEPS=selfcheck SELFCHECK_LENS=128 SELFCHECK_REPS=31 BENCH_TIMEOUT=$2" ;;
     job) echo "export GPU_STEPS=job JOB_SHAPE='--hidden 4096 --layers 32 --n 64 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--inproc-sides --fresh-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096" ;;
-    joblong) echo "export GPU_STEPS=job JOB_SHAPE='--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--inproc-sides --saver-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192" ;;
-    jobfsync) echo "export GPU_STEPS=job SPECULATORS_COMPAT_OUTPUT_FSYNC=1 JOB_SHAPE='--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='--saver-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192_fsync" ;;
-    jobreserve) echo "export GPU_STEPS=job JOB_SHAPE='--hidden 4096 --layers 32 --n 192 --batch-size 8 --layer-ids 2 16 29 31' JOB_ARGS='${JOBRESERVE_ARGS---saver-side}' JOB_REPS=${JOBRESERVE_REPS:-2} JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192_reserve" ;;
+    joblong) echo "export GPU_STEPS=job JOB_SHAPE='$N192' JOB_ARGS='--inproc-sides --saver-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192" ;;
+    jobfsync) echo "export GPU_STEPS=job SPECULATORS_COMPAT_OUTPUT_FSYNC=1 JOB_SHAPE='$N192' JOB_ARGS='--saver-side' JOB_REPS=1 JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192_fsync" ;;
+    jobreserve) echo "export GPU_STEPS=job JOB_SHAPE='$N192' JOB_ARGS='${JOBRESERVE_ARGS---saver-side}' JOB_REPS=$JOBRESERVE_REPS JOB_TIMEOUT=$(($2 - 20)) JOB_TAG=_h4096_n192_reserve" ;;
     save) echo "export GPU_STEPS=save" ;;
     capture_b*) echo "export GPU_STEPS=capture32 CAPTURE_BATCHES=${1#capture_b} CAPTURE_REPS=9 CAPTURE_REPS_AT='128=41 256=25' BENCH_TIMEOUT=$2" ;;
   esac
