@@ -89,6 +89,7 @@ _INSIDE = re.compile(r"inside generate: begin ([\d.]+) s, steps ([\d.]+) s, fini
 
 
 _BY_SAVER = re.compile(r"\((\d+) written by the saver process")
+_LEFT = re.compile(r"(\d+) MiB in (\d+) file\(s\) left at the loop's end, saved in ([\d.]+) s")
 _RESERVED = re.compile(r"exchange reserved before the loop: (\d+) MiB \(\d+ x (\d+) tokens\) in ([\d.]+) s")
 
 
@@ -154,6 +155,63 @@ def class_of(n_tok: int) -> str:
     return "other"
 
 
+class DirtyTrace:
+    """The kernel's dirty and under-writeback page cache (/proc/meminfo Dirty, Writeback; MiB)
+    every 0.1 s while a run goes on, epoch-stamped like the script's log: what a drain after the
+    loop waits behind (writeback throttling) or not. Linux only; empty elsewhere."""
+
+    def __init__(self, period: float = 0.1):
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._period = period
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+                self.samples.append((time.time(), int(info["Dirty"].split()[0]) / 1024,
+                                     int(info["Writeback"].split()[0]) / 1024))
+            except (OSError, KeyError, ValueError):
+                return
+            self._stop.wait(self._period)
+
+    def around(self, marks: dict) -> dict:
+        """Dirty/Writeback (MiB) at the loop's end, their peaks in the loop and in the drain, and
+        the kernel's dirty limits (vm.dirty_*)."""
+        out: dict = {}
+        for name in ("dirty_ratio", "dirty_background_ratio", "dirty_bytes", "dirty_background_bytes"):
+            try:
+                out[f"vm_{name}"] = int(Path(f"/proc/sys/vm/{name}").read_text())
+            except (OSError, ValueError):
+                pass
+        def window(a, b):
+            return [x for x in self.samples if a <= x[0] <= b]
+        if "processing" in marks and "wait" in marks:
+            loop = window(marks["processing"], marks["wait"])
+            if loop:
+                out["loop_dirty_peak_mib"] = max(x[1] for x in loop)
+                out["loop_writeback_peak_mib"] = max(x[2] for x in loop)
+                out["loop_end_dirty_mib"], out["loop_end_writeback_mib"] = loop[-1][1], loop[-1][2]
+        if "wait" in marks and "saved" in marks:
+            drain = window(marks["wait"], marks["saved"] + 0.1)
+            if drain:
+                out["drain_dirty_peak_mib"] = max(x[1] for x in drain)
+                out["drain_writeback_peak_mib"] = max(x[2] for x in drain)
+        out["samples"] = len(self.samples)
+        return out
+
+
 def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str, extra_env: dict | None = None) -> dict:
     """One end-to-end run of the released script under ``speculators-compat run``."""
     run_dir = work / tag
@@ -180,7 +238,8 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
     env.update(extra_env or {})
     t_start = time.time()
     p0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.script_timeout)
+    with DirtyTrace() as dirty:
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.script_timeout)
     wall = time.perf_counter() - p0
     t_end = t_start + wall
     # beside the run's folder (removed after the run unless --keep): the script's own log survives
@@ -197,6 +256,10 @@ def run_script(args, script: Path, model: Path, data: Path, work: Path, tag: str
         res["exchange_reserved"] = {"mib": int(r[1]), "tokens_per_call": int(r[2]), "seconds": float(r[3])}
     if v:
         res["files_by_saver_process"] = int(v[1])
+    left = _LEFT.search(proc.stderr + "\n" + proc.stdout)
+    if left:  # the shim's own count of what the drain after the loop waited for
+        res["drain"] = {"left_mib": int(left[1]), "left_files": int(left[2]), "seconds": float(left[3])}
+    res["page_cache"] = dirty.around(m)
     if t:
         res["loop_timing"] = {"loop_s": float(t[1]), "batches": int(t[2]), "generate_s": float(t[3]),
                               "first_batch_s": float(t[4]), "blocked_on_saves_s": float(t[5])}

@@ -138,11 +138,9 @@ NAME_SITES: list[tuple[str, Callable[[], str | None]]] = [
 ]
 
 _KCU = "vllm.v1.core.kv_cache_utils"
-_SCHED = "vllm.v1.core.sched.scheduler"
 
-# Calls speculators' code makes that no shim patch rewrites (G: generator, W: worker extension,
-# D: the shim's step driver in patches/execution.py, which calls them as speculators does). The
-# patches' own calls come from their ``calls=`` declarations (registry.Call).
+# Calls speculators' code makes that no shim patch rewrites (G: generator, W: worker extension).
+# The patches' own calls come from their ``calls=`` declarations (registry.Call).
 SPECULATORS_CALLS: list[tuple[str, Call | tuple[Call, ...]]] = [
     ("G", Call(_KCU, "unify_hybrid_kv_cache_specs", args=("kv_cache_spec",))),
     ("G", Call(_KCU, "_get_kv_cache_groups_uniform_spec", args=("kv_cache_spec",))),
@@ -157,14 +155,6 @@ SPECULATORS_CALLS: list[tuple[str, Call | tuple[Call, ...]]] = [
     ("G", Call(_EXEC, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("unique_reply_rank",))),
     ("G", Call(_EXEC, "MultiprocExecutor.initialize_from_config", args=("kv_cache_configs",))),
     ("G", Call(_EXEC, "MultiprocExecutor.shutdown")),
-    ("D", Call(_EXEC, "MultiprocExecutor.execute_model", args=("scheduler_output",))),
-    ("D", Call(_EXEC, "MultiprocExecutor.sample_tokens", args=("grammar_output",), optional=True)),
-    ("D", Call(_SCHED, "Scheduler.schedule")),
-    ("D", Call(_SCHED, "Scheduler.add_request", args=("request",))),
-    ("D", Call(_SCHED, "Scheduler.update_from_output", args=("scheduler_output", "model_runner_output"))),
-    ("D", Call(_SCHED, "Scheduler.finish_requests", args=("request_ids", "finished_status"))),
-    ("D", Call(_SCHED, "Scheduler.has_unfinished_requests")),
-    ("D", Call(_SCHED, "Scheduler.get_num_unfinished_requests")),
     ("W", Call("vllm.distributed", "get_pp_group")),
     ("W", Call("vllm.distributed", "get_tp_group")),
     ("W", Call("vllm.model_executor.models.interfaces", "supports_eagle3", args=("model",), speculators="==0.3.0")),

@@ -531,6 +531,7 @@ class SaveQueue:
         self.saved = 0
         self.saved_by_saver = 0
         self.blocked_s = 0.0  # time submit() waited for room (the disk or the encoding behind)
+        self.at_drain: tuple[int, int, float] | None = None  # (bytes, files) still saving when drain began; its seconds
         self._shared, self._saver = shared, None
         self._live: dict[int, tuple] = {}  # every sample submitted and not finished: finishing takes it out
         self._sent: dict[int, Path] = {}  # samples with the saver: the absolute path their file goes to
@@ -693,8 +694,10 @@ class SaveQueue:
             return
         try:
             with self._cond:
+                t, left = time.perf_counter(), (self._inflight, self._pending)
                 while self._pending:
                     self._cond.wait()
+                self.at_drain = (*left, time.perf_counter() - t)
         except BaseException:  # Ctrl-C: saves not begun are dropped (a resumed run makes them), the saver ended
             self._drained = True
             self._pool.shutdown(wait=False, cancel_futures=True)

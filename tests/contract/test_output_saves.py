@@ -393,8 +393,12 @@ def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):
     unbounded._manifest.start({}, fsync=False)
     for i in range(40):
         unbounded.submit(i, output.data_name(i), sample(64, seed=i), 64, [1])
+    left = unbounded._inflight, unbounded._pending
     unbounded.drain()
     assert unbounded.peak_inflight > limit  # the bound is what kept the first queue small
+    # what drain waited for: the bytes and files still saving when it began, and its seconds
+    assert unbounded.at_drain[:2] == left and left[1] > 0, (unbounded.at_drain, left)
+    assert unbounded.at_drain[2] >= 0.02 * left[1] / 4 * 0.9, unbounded.at_drain
 
 
 def test_a_failed_save_is_raised_with_its_cause(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import types
 import pytest
 
 from speculators_compat.check import EXIT_DRIFT, EXIT_UNTESTED, Finding, call_findings, verdict
-from speculators_compat.patches import kv_cache, scheduler_request
+from speculators_compat.patches import execution, kv_cache, scheduler_request
 from speculators_compat.patches._signatures import bind_problem, first_binding
 from speculators_compat.registry import Call
 
@@ -248,8 +248,51 @@ def test_every_patch_declares_its_calls_with_known_targets():
     from speculators_compat.patches import all_patches
 
     by_id = {p.id: p for p in all_patches()}
-    for pid in ("kv-cache-config-args", "kv-cache-layout", "scheduler-args", "request-args"):
+    for pid in ("kv-cache-config-args", "kv-cache-layout", "scheduler-args", "request-args", "generate-driver"):
         assert by_id[pid].calls, pid
         for spec in by_id[pid].calls:
             for form in spec if isinstance(spec, tuple) else (spec,):
                 assert isinstance(form, Call) and form.module.startswith("vllm."), (pid, form)
+
+
+# -- the step driver: the executor's calls with non_block (0.11.1+ futures) or blocking (before the split)
+
+
+class ExecutorPipelined:  # 0.14-0.32
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, unique_reply_rank=None): ...
+    def execute_model(self, scheduler_output, non_block=False): ...
+    def sample_tokens(self, grammar_output, non_block=False): ...
+
+
+class ExecutorBlocking:  # 0.11.0: one blocking execute_model, no sample_tokens
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None): ...
+    def execute_model(self, scheduler_output): ...
+
+
+class ExecutorNewParam:  # a release whose execute_model requires one more argument
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False): ...
+    def execute_model(self, scheduler_output, grammar_output, non_block=False): ...
+    def sample_tokens(self, grammar_output, non_block=False): ...
+
+
+def _driver_executor_calls():
+    return [spec for spec in execution.DRIVER_CALLS
+            if (spec[0] if isinstance(spec, tuple) else spec).attr.startswith("MultiprocExecutor.")]
+
+
+@pytest.mark.parametrize("executor", [ExecutorPipelined, ExecutorBlocking])
+def test_driver_calls_bind_pipelined_and_blocking(fake_vllm, executor):
+    fake_vllm.MultiprocExecutor = executor
+    specs = _driver_executor_calls()
+    assert len(specs) == 3
+    for spec in specs:
+        code, finding = _exit_code(fake_vllm.repoint(spec))
+        assert code == EXIT_UNTESTED and finding.status == "ok", finding
+
+
+def test_driver_call_with_a_new_required_parameter_is_drift(fake_vllm):
+    fake_vllm.MultiprocExecutor = ExecutorNewParam
+    findings = [_exit_code(fake_vllm.repoint(spec)) for spec in _driver_executor_calls()]
+    drift = [f for code, f in findings if code == EXIT_DRIFT]
+    assert [f.name.split(".")[-1].split("(")[0] for f in drift] == ["execute_model"], findings
+    assert "grammar_output" in drift[0].detail, drift[0]

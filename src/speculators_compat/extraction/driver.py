@@ -88,22 +88,18 @@ def _generate(self, token_ids):
 
     hidden = model_config.get_hidden_size()
     dtype = model_config.dtype
-    itemsize = torch.empty((), dtype=dtype).element_size()
     nlayers = len(layer_ids)
     slot = {lid: k for k, lid in enumerate(layer_ids)}
     call = self._request_counter
     self._request_counter += 1  # ids of a failed call are never reused
     req_ids = [f"req_{call}_{i}" for i in range(len(seqs))]
     lengths = {rid: len(ids) for rid, ids in zip(req_ids, seqs)}
-    row_bytes = hidden * itemsize
+    row_bytes = call_bytes(self, 1) // nlayers  # one row of one layer
 
     check_rows = int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_ROWS"))
     checking = check_rows <= 0 or selfcheck.due(getattr(self, CHECK_ATTR, None),
                                                 settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_BUDGET"))
-    pool = getattr(self, POOL_ATTR, None)
-    if pool is None:
-        pool = ExchangePool()
-        setattr(self, POOL_ATTR, pool)
+    pool = _pool(self)
     timings = {}
     mark = time.perf_counter()
     timings["prepare"] = mark - started
@@ -198,10 +194,7 @@ def reserve(self, nbytes: int) -> tuple[int, float]:
     with _generator_lock(self):
         if getattr(self, BROKEN_ATTR, None):
             return 0, 0.0  # its next call says why
-        pool = getattr(self, POOL_ATTR, None)
-        if pool is None:
-            pool = ExchangePool()
-            setattr(self, POOL_ATTR, pool)
+        pool = _pool(self)
         started = time.perf_counter()
         new: list = []
         try:
@@ -219,6 +212,15 @@ def reserve(self, nbytes: int) -> tuple[int, float]:
                 pool.stats["bytes_reserved"] -= sum(c.size for c in new)
             raise
         return sum(c.size for c in new), time.perf_counter() - started
+
+
+def _pool(self) -> ExchangePool:
+    """The generator's exchange pool, made at its first use (a call or ``reserve``)."""
+    pool = getattr(self, POOL_ATTR, None)
+    if pool is None:
+        pool = ExchangePool()
+        setattr(self, POOL_ATTR, pool)
+    return pool
 
 
 def call_bytes(self, tokens: int) -> int:

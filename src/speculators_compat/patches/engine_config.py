@@ -10,7 +10,7 @@ Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 from __future__ import annotations
 
 from .. import settings
-from ..registry import wrapper_patch
+from ..registry import Call, wrapper_patch
 from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
 
 
@@ -104,6 +104,11 @@ PATCHES = [
         "SchedulerConfig",
         _scheduler_config_args,
         _probe_scheduler_config,
+        # speculators' SchedulerConfig(...) with is_encoder_decoder (0.12+) and async_scheduling added
+        calls=((Call("vllm.config", "SchedulerConfig", kwargs=("max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                                                                "is_encoder_decoder", "async_scheduling")),
+                Call("vllm.config", "SchedulerConfig", kwargs=("max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                                                                "async_scheduling"))),),
     ),
     wrapper_patch(
         "engine-dtype",
@@ -120,5 +125,6 @@ PATCHES = [
         "CacheConfig",
         _cache_config_args,
         _probe_cache_config,
+        calls=(Call("vllm.config", "CacheConfig", kwargs=("gpu_memory_utilization", "enable_prefix_caching")),),
     ),
 ]

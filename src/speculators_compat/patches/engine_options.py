@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from ..registry import NotNeeded, wrapper_patch
+from ..registry import Call, NotNeeded, wrapper_patch
 from ..settings import SettingError
 from ._signatures import GENERATOR, accepts, import_attr, parameters, require_params
 
@@ -251,8 +251,21 @@ def _probe_rms_norm(current):
     return NotNeeded(reason) if reason else None
 
 
+# speculators' VllmConfig(...) with what this patch adds where the signature accepts it; the rest it calls
+OPTIONS_CALLS = (
+    Call("vllm.config", "VllmConfig", kwargs=("model_config", "cache_config", "parallel_config", "scheduler_config",
+                                              "device_config", "load_config", "compilation_config")),
+    Call("vllm.config", "CompilationConfig"),
+    Call("vllm.config", "AttentionConfig", kwargs=("backend",), optional=True),  # 0.14+
+    Call("vllm.config", "ModelConfig.get_sliding_window"),
+    Call("vllm.config", "ModelConfig.get_head_size"),
+    Call("vllm.transformers_utils.config", "is_interleaved", args=("config",), optional=True),  # until 0.26
+    Call("vllm.platforms", "current_platform.is_cpu"),
+)
+
 PATCHES = [
-    wrapper_patch("engine-options", "platform", GENERATOR, "VllmConfig", _vllm_config_options, _probe),
+    wrapper_patch("engine-options", "platform", GENERATOR, "VllmConfig", _vllm_config_options, _probe,
+                  calls=OPTIONS_CALLS),
     wrapper_patch(
         "cpu-rms-norm-native",
         "platform",

@@ -14,11 +14,32 @@ import sys
 from ..extraction.driver import generate
 from ..extraction.errors import ExtractionError
 from ..extraction.steps import executor_takes_futures
-from ..registry import wrapper_patch
+from ..registry import Call, wrapper_patch
 from ._signatures import EXECUTOR, GENERATOR, import_attr, parameters
 
 
 __all__ = ["ExtractionError", "PATCHES", "generate"]
+
+
+_SCHED = "vllm.v1.core.sched.scheduler"
+# the step driver's calls (extraction/driver.py, steps.py, protocol.py): the executor's with
+# non_block where it takes futures (the pipelined driver), else blocking; sample_tokens from 0.11.1
+DRIVER_CALLS = (
+    (Call(EXECUTOR, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("args", "timeout", "non_block")),
+     Call(EXECUTOR, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("args", "timeout"))),
+    (Call(EXECUTOR, "MultiprocExecutor.execute_model", args=("scheduler_output",), kwargs=("non_block",)),
+     Call(EXECUTOR, "MultiprocExecutor.execute_model", args=("scheduler_output",))),
+    (Call(EXECUTOR, "MultiprocExecutor.sample_tokens", args=("grammar_output",), kwargs=("non_block",), optional=True),
+     Call(EXECUTOR, "MultiprocExecutor.sample_tokens", args=("grammar_output",), optional=True)),
+    Call(_SCHED, "Scheduler.schedule"),
+    Call(_SCHED, "Scheduler.add_request", args=("request",)),
+    Call(_SCHED, "Scheduler.update_from_output", args=("scheduler_output", "model_runner_output")),
+    Call(_SCHED, "Scheduler.finish_requests", args=("request_ids", "finished_status")),
+    Call(_SCHED, "Scheduler.has_unfinished_requests"),
+    Call(_SCHED, "Scheduler.get_num_unfinished_requests"),
+    Call("vllm.config", "ModelConfig.get_vocab_size"),
+    Call("vllm.config", "ModelConfig.get_hidden_size"),
+)
 
 
 def _replace_generate(wrapped, instance, args, kwargs):
@@ -119,8 +140,9 @@ PATCHES = [
         "VllmHiddenStatesGenerator.generate",
         _replace_generate,
         _probe_generate,
+        calls=DRIVER_CALLS,
         # the driver passes eos_token_id= to Request (request-args from 0.17) and talks to the
         # worker capture through its RPC
         requires=("request-args", "worker-capture-rpc"),
-    )
+    ),
 ]

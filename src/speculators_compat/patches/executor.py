@@ -299,6 +299,8 @@ PATCHES = [
         "ParallelConfig",
         _parallel_config_args,
         _probe_parallel_config,
+        calls=(Call("vllm.config", "ParallelConfig", kwargs=("tensor_parallel_size", "worker_extension_cls",
+                                                              "pipeline_parallel_size", "distributed_executor_backend")),),
         requires=("executor-class",),  # a Ray/PP config needs vLLM's executor choice and per-rank KV configs
     ),
     wrapper_patch(
@@ -308,6 +310,8 @@ PATCHES = [
         "MultiprocExecutor",
         _executor_class,
         _probe_executor_class,
+        # Ray / PP: vLLM's own executor choice; MultiprocExecutor(vllm_config=) is speculators' call (check's G rows)
+        calls=(Call("vllm.v1.executor.abstract", "Executor.get_class", args=("vllm_config",)),),
         requires=("generator-construction",),  # it acts only while a generator is built
     ),
     wrapper_patch(

@@ -13,7 +13,7 @@ import types
 
 import wrapt
 
-from ..registry import Patch, wrapper_patch
+from ..registry import Call, Patch, wrapper_patch
 from ._signatures import GENERATOR
 
 _CPU_DEFAULT_GIB = 4.0  # vLLM's CPU default when VLLM_CPU_KVCACHE_SPACE is unset or 0
@@ -106,8 +106,11 @@ def _probe_generator_torch(current):
     return _probe_platform(current)
 
 
+PLATFORM_CALLS = (Call("vllm.platforms", "current_platform.is_cpu"), Call("vllm.platforms", "current_platform.is_cuda_alike"))
+
 PATCHES = [
-    wrapper_patch("memory-query", "platform", GENERATOR, "mem_get_info", _mem_get_info, _probe_platform),
+    wrapper_patch("memory-query", "platform", GENERATOR, "mem_get_info", _mem_get_info, _probe_platform,
+                  calls=PLATFORM_CALLS),
     Patch(
         id="memory-query-torch-cuda",
         family="platform",
@@ -115,5 +118,6 @@ PATCHES = [
         attribute="torch",
         build=_bind_torch_view,
         probe=_probe_generator_torch,
+        calls=PLATFORM_CALLS,
     ),
 ]

@@ -378,8 +378,10 @@ def _generate_and_save(script, args, dataset, log, folder, manifest, queue, gene
         _write_lengths(folder, manifest, fsync)
     output.atomic_write_bytes(folder / output.CONFIG, json.dumps(config, indent=2).encode(), fsync)
     by_saver = f"{queue.saved_by_saver} written by the saver process; " if queue.uses_saver else ""
+    left = queue.at_drain or (0, 0, 0.0)
     log.info(f"Saved {queue.saved} new data points to {args.output_dir} ({by_saver}largest save backlog "
-             f"{queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB)")
+             f"{queue.peak_inflight / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB; {left[0] / 2**20:.0f} MiB in "
+             f"{left[1]} file(s) left at the loop's end, saved in {left[2]:.3f} s)")
     return queue.saved
 
 
@@ -421,11 +423,12 @@ def _reserve_exchange(generator, dataset, args, log, bs: int, n: int, batches: l
 
     if not get_registry().is_applied("generate-driver") or not batches:
         return  # speculators' own generate: no exchange
-    cap = int(args.seq_length)
-    tokens = max(sum(min(len(ids), cap) for ids in dataset[s:min(s + bs, n)]["input_ids"])
-                 for s in batches[:RESERVE_LOOKAHEAD])
-    tokens += min(len(canary.ids), cap) if canary.ids is not None else 0
+    tokens = 0
     try:
+        cap = int(args.seq_length)
+        tokens = max(sum(min(len(ids), cap) for ids in dataset[s:min(s + bs, n)]["input_ids"])
+                     for s in batches[:RESERVE_LOOKAHEAD])
+        tokens += min(len(canary.ids), cap) if canary.ids is not None else 0
         call = driver.call_bytes(generator, tokens)
         for calls in (RESERVE_CALLS, 2):
             try:
