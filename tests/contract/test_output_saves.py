@@ -393,8 +393,9 @@ def test_a_slow_disk_bounds_the_backlog(tmp_path, monkeypatch):
     unbounded._manifest.start({}, fsync=False)
     for i in range(40):
         unbounded.submit(i, output.data_name(i), sample(64, seed=i), 64, [1])
-    left = unbounded._inflight, unbounded._pending
-    unbounded.drain()
+    with unbounded._cond:  # no save ends between the snapshot and drain's own (an RLock: drain re-enters it)
+        left = unbounded._inflight, unbounded._pending
+        unbounded.drain()
     assert unbounded.peak_inflight > limit  # the bound is what kept the first queue small
     # what drain waited for: the bytes and files still saving when it began, and its seconds
     assert unbounded.at_drain[:2] == left and left[1] > 0, (unbounded.at_drain, left)
