@@ -39,7 +39,36 @@ def test_check_reports_a_removed_internal_as_drift(monkeypatch):
     code, out = run_check()
     assert code == EXIT_DRIFT
     drift = [f for f in out["findings"] if f.status == "drift"]
-    assert any("update_from_output" in f.name and "update_from_output" in f.detail for f in drift), drift
+    # named by the patch that calls it (its probe needs it, so the patch is not applied)
+    assert any(f.name == "generate-driver" and "Scheduler.update_from_output" in f.detail for f in drift), drift
+
+
+_RESIGNED_DRIVER_CALL = """
+import json
+from vllm.v1.core.sched.scheduler import Scheduler
+
+def update_from_output(self, scheduler_output, model_runner_output, step_stats):  # one more required
+    raise AssertionError("not called by check")
+
+Scheduler.update_from_output = update_from_output
+from speculators_compat.check import run_check
+
+code, out = run_check()
+print("RESULT " + json.dumps([code, [[f.name, f.status, f.detail] for f in out["findings"]]]))
+"""
+
+
+def test_check_reports_a_resigned_driver_call_as_drift():
+    # a fresh process: a patch whose probe failed earlier in this one stays failed in the registry
+    from speculators_compat.check import EXIT_DRIFT
+
+    proc = subprocess.run([sys.executable, "-c", _RESIGNED_DRIVER_CALL], capture_output=True, text=True, timeout=900)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    code, findings = json.loads(line[len("RESULT "):])
+    assert code == EXIT_DRIFT
+    site = next(f for f in findings if f[1] == "drift" and "update_from_output" in f[0])
+    assert site[0].startswith("patch generate-driver: ") and "step_stats" in site[2], site
 
 
 def test_check_reports_a_resigned_internal_as_drift(monkeypatch):
