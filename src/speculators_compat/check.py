@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from xml.sax.saxutils import escape, quoteattr
 
 from .layers import ADAPTERS, adapter_for
-from .patches._signatures import EXECUTOR as _EXEC, GENERATOR, WORKER, first_binding, import_attr, require_params
+from .patches._signatures import EXECUTOR as _EXEC, GENERATOR, WORKER, absent, first_binding, import_attr, require_params
 from .patches.speculators_script import CONFIG_GENERATOR, PREPROCESSING
 from .registry import Call
 
@@ -184,14 +184,16 @@ def call_findings(origin: str, spec, speculators_version: str | None) -> Finding
     except Exception as exc:  # noqa: BLE001 - a probe never crashes check
         form, problem = None, f"binding raised {type(exc).__name__}: {exc}"
     if form is not None:
-        return Finding("call-site", f"{origin}: {head.module}.{form.describe()}", "ok", "")
+        detail = "absent here (optional: called only where it exists)" if absent(form) else ""
+        return Finding("call-site", f"{origin}: {head.module}.{form.describe()}", "ok", detail)
     return Finding("call-site", name, "drift", problem or "no form binds")
 
 
 def declared_calls(reg, statuses: list[dict]) -> list[tuple[str, object]]:
-    """(origin, Call | forms) of speculators' own calls and of every applied patch's ``calls``."""
+    """(origin, Call | forms) of speculators' own calls and of the ``calls`` of every patch that
+    applied or whose probe failed (its calls say what moved)."""
     out: list[tuple[str, object]] = [(origin, spec) for origin, spec in SPECULATORS_CALLS]
-    applied = {r["id"] for r in statuses if r["status"] == "applied"}
+    applied = {r["id"] for r in statuses if r["status"] in ("applied", "failed")}
     chosen = {r["id"] for r in statuses if not r["reason"].startswith(_RANGED_OUT[:2])}
     versions = reg.version_strings()
     for pid, patch in reg.patches.items():
@@ -332,6 +334,12 @@ def _run_check() -> tuple[int, dict]:
         except Exception as exc:  # noqa: BLE001
             problem = f"probe raised {type(exc).__name__}: {exc}"
         findings.append(Finding("call-site", name, "drift" if problem else "ok", problem or ""))
+    for rec in speculators_compat.report():  # probed again: an earlier failure in this process may be gone
+        if rec["status"] == "failed":
+            try:
+                reg.retry(rec["id"])
+            except Exception:  # noqa: BLE001 - strict mode raises; the patch stays failed and is reported
+                pass
     statuses = speculators_compat.report()
     for origin, spec in declared_calls(reg, statuses):
         finding = call_findings(origin, spec, versions.get("speculators"))

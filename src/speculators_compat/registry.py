@@ -333,9 +333,10 @@ class Registry:
 
     def retry(self, pid: str) -> None:
         """Gate and probe one patch again now: for a target defined after its hook module's
-        import (a script's functions). A no-op while inactive or once applied."""
+        import (a script's functions). A no-op while inactive, once applied, or before the hook
+        module's import."""
         with self._lock:
-            if self.active and pid in self._patches:
+            if self.active and pid in self._patches and self._patches[pid].hook_module in sys.modules:
                 self._try_apply(self._patches[pid])
 
     def deactivate(self) -> None:

@@ -41,6 +41,12 @@ def test_check_reports_a_removed_internal_as_drift(monkeypatch):
     drift = [f for f in out["findings"] if f.status == "drift"]
     # named by the patch that calls it (its probe needs it, so the patch is not applied)
     assert any(f.name == "generate-driver" and "Scheduler.update_from_output" in f.detail for f in drift), drift
+    # and by its declared call, bound although the patch failed
+    assert any(f.name.startswith("patch generate-driver: ") and "update_from_output" in f.detail for f in drift), drift
+    monkeypatch.undo()  # restored: a second check in this process probes again, no stale drift
+    code, out = run_check()
+    assert not [f for f in out["findings"] if f.status == "drift"], out["findings"]
+    assert code != EXIT_DRIFT
 
 
 _RESIGNED_DRIVER_CALL = """
@@ -59,7 +65,7 @@ print("RESULT " + json.dumps([code, [[f.name, f.status, f.detail] for f in out["
 
 
 def test_check_reports_a_resigned_driver_call_as_drift():
-    # a fresh process: a patch whose probe failed earlier in this one stays failed in the registry
+    # a fresh process: the driver's calls as imported before anything else patched them
     from speculators_compat.check import EXIT_DRIFT
 
     proc = subprocess.run([sys.executable, "-c", _RESIGNED_DRIVER_CALL], capture_output=True, text=True, timeout=900)

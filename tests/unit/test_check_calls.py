@@ -287,7 +287,37 @@ def test_driver_calls_bind_pipelined_and_blocking(fake_vllm, executor):
     assert len(specs) == 3
     for spec in specs:
         code, finding = _exit_code(fake_vllm.repoint(spec))
+        if executor is ExecutorBlocking and "collective_rpc" in finding.name:
+            # protocol.fence re-synchronises the replies with collective_rpc(non_block=True): no blocking form
+            assert code == EXIT_DRIFT and "non_block" in finding.detail, finding
+            continue
         assert code == EXIT_UNTESTED and finding.status == "ok", finding
+        absent = executor is ExecutorBlocking and "sample_tokens" in finding.name
+        assert ("absent here" in finding.detail) == absent, finding  # optional and not there: said so
+
+
+class SchedulerConfigBefore:  # no is_encoder_decoder, no async_scheduling field
+    def __init__(self, max_num_seqs=128, max_model_len=None, max_num_batched_tokens=None): ...
+
+
+class SchedulerConfigAsync:
+    def __init__(self, max_num_seqs=128, max_model_len=None, max_num_batched_tokens=None, async_scheduling=None): ...
+
+
+class SchedulerConfigRenamed:  # max_num_seqs renamed: what speculators passes does not bind
+    def __init__(self, max_seqs=128, max_model_len=None, max_num_batched_tokens=None): ...
+
+
+@pytest.mark.parametrize("config", [SchedulerConfigBefore, SchedulerConfigAsync, SchedulerConfigRenamed])
+def test_scheduler_config_forms_with_and_without_the_added_fields(fake_vllm, config):
+    from speculators_compat.patches import engine_config
+
+    fake_vllm.SchedulerConfig = config
+    code, finding = _exit_code(fake_vllm.repoint(engine_config.SCHEDULER_CONFIG_FORMS))
+    if config is SchedulerConfigRenamed:
+        assert code == EXIT_DRIFT and "max_num_seqs" in finding.detail, finding
+    else:
+        assert finding.status == "ok" and ("async_scheduling" in finding.name) == (config is SchedulerConfigAsync), finding
 
 
 def test_driver_call_with_a_new_required_parameter_is_drift(fake_vllm):

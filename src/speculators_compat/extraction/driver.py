@@ -94,7 +94,7 @@ def _generate(self, token_ids):
     self._request_counter += 1  # ids of a failed call are never reused
     req_ids = [f"req_{call}_{i}" for i in range(len(seqs))]
     lengths = {rid: len(ids) for rid, ids in zip(req_ids, seqs)}
-    row_bytes = call_bytes(self, 1) // nlayers  # one row of one layer
+    row_bytes = _row_bytes(self)
 
     check_rows = int(settings.number_set("SPECULATORS_COMPAT_SELF_CHECK_ROWS"))
     checking = check_rows <= 0 or selfcheck.due(getattr(self, CHECK_ATTR, None),
@@ -223,13 +223,17 @@ def _pool(self) -> ExchangePool:
     return pool
 
 
-def call_bytes(self, tokens: int) -> int:
-    """Exchange bytes of one call of ``tokens`` tokens: every captured layer's rows."""
+def _row_bytes(self) -> int:
+    """Exchange bytes of one token's row of one captured layer."""
     import torch
 
     model_config = self.vllm_config.model_config
-    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
-    return tokens * len(inputs.check_layer_ids(self.layer_ids)[0]) * model_config.get_hidden_size() * itemsize
+    return model_config.get_hidden_size() * torch.empty((), dtype=model_config.dtype).element_size()
+
+
+def call_bytes(self, tokens: int) -> int:
+    """Exchange bytes of one call of ``tokens`` tokens: every captured layer's rows."""
+    return tokens * len(inputs.check_layer_ids(self.layer_ids)[0]) * _row_bytes(self)
 
 
 def _tally(self, checked: dict | None, call_s: float, check_s: float) -> None:

@@ -126,3 +126,22 @@ def first_binding(forms, obj: Any = None):
             return form, None
         problems.append(problem)
     return None, " / ".join(problems)
+
+
+def calls_problem(specs) -> str | None:
+    """None if every declared call binds (a spec: a Call, or a tuple of forms one of which must),
+    else the first one's problem: a probe binds its patch's own ``calls`` as ``check`` does."""
+    for spec in specs:
+        problem = first_binding(spec if isinstance(spec, tuple) else (spec,))[1]
+        if problem:
+            return problem
+    return None
+
+
+def absent(call) -> bool:
+    """An optional call whose target is not there (bound as "not called here")."""
+    try:
+        import_attr(call.module, call.attr)
+    except (ImportError, AttributeError):
+        return call.optional
+    return False

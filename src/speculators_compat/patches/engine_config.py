@@ -50,6 +50,12 @@ def _scheduler_config_args(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+_SCHEDULER_CONFIG_KW = ("max_num_seqs", "max_model_len", "max_num_batched_tokens")
+SCHEDULER_CONFIG_FORMS = tuple(
+    Call("vllm.config", "SchedulerConfig", kwargs=_SCHEDULER_CONFIG_KW + extra)
+    for extra in (("is_encoder_decoder", "async_scheduling"), ("async_scheduling",), ("is_encoder_decoder",), ())
+)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # what vLLM's ModelConfig reads
 
 
@@ -104,11 +110,8 @@ PATCHES = [
         "SchedulerConfig",
         _scheduler_config_args,
         _probe_scheduler_config,
-        # speculators' SchedulerConfig(...) with is_encoder_decoder (0.12+) and async_scheduling added
-        calls=((Call("vllm.config", "SchedulerConfig", kwargs=("max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                                                                "is_encoder_decoder", "async_scheduling")),
-                Call("vllm.config", "SchedulerConfig", kwargs=("max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                                                                "async_scheduling"))),),
+        # speculators' SchedulerConfig(...), is_encoder_decoder and async_scheduling added where they exist
+        calls=(SCHEDULER_CONFIG_FORMS,),
     ),
     wrapper_patch(
         "engine-dtype",

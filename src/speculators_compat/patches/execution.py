@@ -15,7 +15,8 @@ from ..extraction.driver import generate
 from ..extraction.errors import ExtractionError
 from ..extraction.steps import executor_takes_futures
 from ..registry import Call, wrapper_patch
-from ._signatures import EXECUTOR, GENERATOR, import_attr, parameters
+from ._signatures import EXECUTOR, GENERATOR, calls_problem, import_attr, parameters
+from .scheduler_request import REQUEST_KW
 
 
 __all__ = ["ExtractionError", "PATCHES", "generate"]
@@ -23,20 +24,24 @@ __all__ = ["ExtractionError", "PATCHES", "generate"]
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 # the step driver's calls (extraction/driver.py, steps.py, protocol.py): the executor's with
-# non_block where it takes futures (the pipelined driver), else blocking; sample_tokens from 0.11.1
+# non_block where it takes futures (the pipelined driver), else blocking; sample_tokens from 0.11.1;
+# collective_rpc always with non_block (protocol.fence), and the fence reads each reply queue;
+# Request with eos_token_id (request-args moves it into the sampling parameters from 0.17)
 DRIVER_CALLS = (
-    (Call(EXECUTOR, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("args", "timeout", "non_block")),
-     Call(EXECUTOR, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("args", "timeout"))),
+    Call(EXECUTOR, "MultiprocExecutor.collective_rpc", args=("method",), kwargs=("args", "timeout", "non_block")),
     (Call(EXECUTOR, "MultiprocExecutor.execute_model", args=("scheduler_output",), kwargs=("non_block",)),
      Call(EXECUTOR, "MultiprocExecutor.execute_model", args=("scheduler_output",))),
     (Call(EXECUTOR, "MultiprocExecutor.sample_tokens", args=("grammar_output",), kwargs=("non_block",), optional=True),
      Call(EXECUTOR, "MultiprocExecutor.sample_tokens", args=("grammar_output",), optional=True)),
+    Call("vllm.distributed.device_communicators.shm_broadcast", "MessageQueue.dequeue", kwargs=("timeout",)),
     Call(_SCHED, "Scheduler.schedule"),
     Call(_SCHED, "Scheduler.add_request", args=("request",)),
     Call(_SCHED, "Scheduler.update_from_output", args=("scheduler_output", "model_runner_output")),
     Call(_SCHED, "Scheduler.finish_requests", args=("request_ids", "finished_status")),
     Call(_SCHED, "Scheduler.has_unfinished_requests"),
     Call(_SCHED, "Scheduler.get_num_unfinished_requests"),
+    (Call("vllm.v1.request", "Request", kwargs=REQUEST_KW + ("eos_token_id",)),
+     Call("vllm.v1.request", "Request", kwargs=REQUEST_KW)),
     Call("vllm.config", "ModelConfig.get_vocab_size"),
     Call("vllm.config", "ModelConfig.get_hidden_size"),
 )
@@ -54,15 +59,7 @@ def _probe_generate(current):
     for name in ("MAX_DECODE_TOKENS", "SAMPLING_TEMPERATURE", "INITIAL_ARRIVAL_TIME", "log", "Request", "SamplingParams"):
         if not hasattr(module, name):
             return f"expected the generator module to define {name}; not found"
-    sched = import_attr("vllm.v1.core.sched.scheduler", "Scheduler")
-    for name in ("schedule", "update_from_output", "add_request", "has_unfinished_requests", "get_num_unfinished_requests"):
-        if not callable(getattr(sched, name, None)):
-            return f"expected Scheduler.{name}(); not found"
-    executor = import_attr(EXECUTOR, "MultiprocExecutor")
-    for name in ("execute_model", "collective_rpc"):
-        if not callable(getattr(executor, name, None)):
-            return f"expected MultiprocExecutor.{name}(); not found"
-    return None
+    return calls_problem(DRIVER_CALLS)
 
 
 # -- async-scheduling ---------------------------------------------------------------------

@@ -93,14 +93,14 @@ def _probe_scheduler(current):
     return first_binding(SCHEDULER_FORMS, real)[1]
 
 
-_REQ_KW = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time")
+REQUEST_KW = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time")
 # Request(...) as speculators calls it (0.4.x adds block_hasher=), without eos_token_id where the
 # adapter moved it into the sampling parameters (0.17+)
 REQUEST_FORMS = (
-    Call("vllm.v1.request", "Request", kwargs=_REQ_KW + ("eos_token_id",), speculators="==0.3.0"),
-    Call("vllm.v1.request", "Request", kwargs=_REQ_KW, speculators="==0.3.0"),
-    Call("vllm.v1.request", "Request", kwargs=_REQ_KW + ("block_hasher", "eos_token_id"), speculators=">=0.4"),
-    Call("vllm.v1.request", "Request", kwargs=_REQ_KW + ("block_hasher",), speculators=">=0.4"),
+    Call("vllm.v1.request", "Request", kwargs=REQUEST_KW + ("eos_token_id",), speculators="==0.3.0"),
+    Call("vllm.v1.request", "Request", kwargs=REQUEST_KW, speculators="==0.3.0"),
+    Call("vllm.v1.request", "Request", kwargs=REQUEST_KW + ("block_hasher", "eos_token_id"), speculators=">=0.4"),
+    Call("vllm.v1.request", "Request", kwargs=REQUEST_KW + ("block_hasher",), speculators=">=0.4"),
 )
 # where Request has no eos_token_id: the EOS goes in positionally (the keyword was renamed in 0.17)
 UPDATE_EOS_CALL = Call("vllm.sampling_params", "SamplingParams.update_from_generation_config", args=("generation_config", "eos_token_id"))

@@ -423,7 +423,6 @@ def _reserve_exchange(generator, dataset, args, log, bs: int, n: int, batches: l
 
     if not get_registry().is_applied("generate-driver") or not batches:
         return  # speculators' own generate: no exchange
-    tokens = 0
     try:
         cap = int(args.seq_length)
         tokens = max(sum(min(len(ids), cap) for ids in dataset[s:min(s + bs, n)]["input_ids"])
