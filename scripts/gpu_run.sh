@@ -228,10 +228,17 @@ if [[ " $STEPS " == *" job "* ]]; then
   fi
   PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE python3 -c 'import speculators_compat, datasets, pyarrow, speculators.data_generation.preprocessing; print("datasets", datasets.__version__, "pyarrow", pyarrow.__version__)' \
     || echo "job: the script's imports fail (datasets missing? carry .gpu/job-whl)"
+  job_dd() {  # JOB_DD=1: the disk's write speed where the job writes (4 GiB, fdatasync), beside the job
+    [ -n "${JOB_DD:-}" ] || return 0
+    mkdir -p "$SCRATCH/job"; echo "dd $1 the job: $(dd if=/dev/zero of="$SCRATCH/job/ddtest" bs=64M count=64 conv=fdatasync 2>&1 | tail -1)" | tee -a "$OUT/job_dd${JOB_TAG:-}.txt"
+    rm -f "$SCRATCH/job/ddtest"
+  }
+  job_dd before
   SPECULATORS_COMPAT_KV_CACHE_BYTES=20000000000 PYTHONPATH=$PWD/src:$PWD/testbed:$SCRATCH/spec-0.4.0.1:$SITE timeout ${JOB_TIMEOUT:-300} python3 benchmarks/job_throughput.py \
     ${JOB_SHAPE:---hidden 2048 --layers 8 --n 32 --batch-size 8} --seq-length 2048 --reps ${JOB_REPS:-2} --gpu-util 0.4 \
     --script tests/e2e/speculators_scripts/v0.4.0.1/data_generation_offline.py --work "$SCRATCH/job" ${JOB_ARGS:-} \
     --script-timeout 150 --out "$OUT/job_throughput_h200${JOB_TAG:-}.json" > "$OUT/job_throughput_h200${JOB_TAG:-}.log" 2>&1; echo "job rc=$?"
+  job_dd after
   for f in "$SCRATCH"/job/*.script.log; do [ -f "$f" ] && cp "$f" "$OUT/job_$(basename "$f" .script.log)_script.log"; done
   rm -rf "$SCRATCH/job"
 fi
