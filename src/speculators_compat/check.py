@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from xml.sax.saxutils import escape, quoteattr
 
 from .layers import ADAPTERS, adapter_for
-from .patches._signatures import EXECUTOR as _EXEC, GENERATOR, WORKER, absent, first_binding, import_attr, require_params
+from .patches._signatures import EXECUTOR as _EXEC, GENERATOR, WORKER, absent, first_binding, for_speculators, import_attr, require_params
 from .patches.speculators_script import CONFIG_GENERATOR, PREPROCESSING
 from .registry import Call
 
@@ -161,20 +161,10 @@ SPECULATORS_CALLS: list[tuple[str, Call | tuple[Call, ...]]] = [
 ]
 
 
-def _for_speculators(call: Call, speculators_version: str | None) -> bool:
-    if not call.speculators or not speculators_version:
-        return True
-    from packaging.specifiers import SpecifierSet
-
-    from .versions import in_range
-
-    return in_range(speculators_version, SpecifierSet(call.speculators))
-
-
 def call_findings(origin: str, spec, speculators_version: str | None) -> Finding | None:
     """Bind one declared call (or the first binding of its alternative forms) to the installed
     signature; None where the call does not apply to this speculators release."""
-    forms = tuple(f for f in (spec if isinstance(spec, tuple) else (spec,)) if _for_speculators(f, speculators_version))
+    forms = tuple(f for f in (spec if isinstance(spec, tuple) else (spec,)) if for_speculators(f, speculators_version))
     if not forms:
         return None
     head = forms[0]
@@ -191,14 +181,14 @@ def call_findings(origin: str, spec, speculators_version: str | None) -> Finding
 
 def declared_calls(reg, statuses: list[dict]) -> list[tuple[str, object]]:
     """(origin, Call | forms) of speculators' own calls and of the ``calls`` of every patch that
-    applied or whose probe failed (its calls say what moved)."""
+    applied or failed (probe, build, strict refusal or lost: its calls say what moved)."""
     out: list[tuple[str, object]] = [(origin, spec) for origin, spec in SPECULATORS_CALLS]
-    applied = {r["id"] for r in statuses if r["status"] in ("applied", "failed")}
+    bound = {r["id"] for r in statuses if r["status"] in ("applied", "failed")}
     chosen = {r["id"] for r in statuses if not r["reason"].startswith(_RANGED_OUT[:2])}
     versions = reg.version_strings()
     for pid, patch in reg.patches.items():
         gated_in = pid in chosen and pid in reg.matrix.patches and reg.matrix.patches[pid].gate(versions) is None
-        if pid in applied or (patch.script_target and gated_in):
+        if pid in bound or (patch.script_target and gated_in):
             out.extend((f"patch {pid}", spec) for spec in patch.calls)
     return out
 
@@ -334,12 +324,7 @@ def _run_check() -> tuple[int, dict]:
         except Exception as exc:  # noqa: BLE001
             problem = f"probe raised {type(exc).__name__}: {exc}"
         findings.append(Finding("call-site", name, "drift" if problem else "ok", problem or ""))
-    for rec in speculators_compat.report():  # probed again: an earlier failure in this process may be gone
-        if rec["status"] == "failed":
-            try:
-                reg.retry(rec["id"])
-            except Exception:  # noqa: BLE001 - strict mode raises; the patch stays failed and is reported
-                pass
+    reg.retry_failed()  # an earlier failure in this process may be gone
     statuses = speculators_compat.report()
     for origin, spec in declared_calls(reg, statuses):
         finding = call_findings(origin, spec, versions.get("speculators"))

@@ -334,10 +334,20 @@ class Registry:
     def retry(self, pid: str) -> None:
         """Gate and probe one patch again now: for a target defined after its hook module's
         import (a script's functions). A no-op while inactive, once applied, or before the hook
-        module's import."""
+        and owner modules' import."""
         with self._lock:
-            if self.active and pid in self._patches and self._patches[pid].hook_module in sys.modules:
-                self._try_apply(self._patches[pid])
+            patch = self._patches.get(pid)
+            if self.active and patch is not None and {patch.hook_module, patch.owner[0]} <= sys.modules.keys():
+                self._try_apply(patch)
+
+    def retry_failed(self) -> None:
+        """``retry`` every patch whose gate, probe or build failed (``check`` asks again); one
+        applied, then lost stays reported as such."""
+        for pid in [pid for pid, st in self._status.items() if st.status == "failed"]:
+            try:
+                self.retry(pid)
+            except PatchError:  # strict or explicitly selected: it stays failed, with its reason
+                pass
 
     def deactivate(self) -> None:
         with self._lock:

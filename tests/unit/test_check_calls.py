@@ -281,7 +281,7 @@ def _driver_executor_calls():
 
 
 @pytest.mark.parametrize("executor", [ExecutorPipelined, ExecutorBlocking])
-def test_driver_calls_bind_pipelined_and_blocking(fake_vllm, executor):
+def test_driver_calls_on_pipelined_and_blocking_executors(fake_vllm, executor):
     fake_vllm.MultiprocExecutor = executor
     specs = _driver_executor_calls()
     assert len(specs) == 3
@@ -294,6 +294,22 @@ def test_driver_calls_bind_pipelined_and_blocking(fake_vllm, executor):
         assert code == EXIT_UNTESTED and finding.status == "ok", finding
         absent = executor is ExecutorBlocking and "sample_tokens" in finding.name
         assert ("absent here" in finding.detail) == absent, finding  # optional and not there: said so
+
+
+def test_a_present_form_that_drifted_is_drift_although_an_optional_form_is_absent(fake_vllm):
+    from speculators_compat.patches._signatures import calls_problem
+
+    fake_vllm.moved = lambda kv_cache_configs, extra: None  # the one that is there needs one more argument
+    forms = (Call(fake_vllm.__name__, "gone", args=("kv_cache_configs",), optional=True),
+             Call(fake_vllm.__name__, "moved", args=("kv_cache_configs",), optional=True))
+    code, finding = _exit_code(forms)
+    assert code == EXIT_DRIFT and "extra" in finding.detail, finding
+    assert "extra" in calls_problem([forms])
+    fake_vllm.moved = lambda kv_cache_configs: None
+    assert calls_problem([forms]) is None and _exit_code(forms)[1].detail == ""  # the present one binds
+    del fake_vllm.moved
+    code, finding = _exit_code(forms)
+    assert code == EXIT_UNTESTED and "absent here" in finding.detail, finding  # neither there: not called
 
 
 class SchedulerConfigBefore:  # no is_encoder_decoder, no async_scheduling field

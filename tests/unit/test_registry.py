@@ -473,6 +473,29 @@ def test_reload_reapplies_and_a_replaced_target_is_reported_as_lost(fake_modules
     assert mod.f is fresh
 
 
+def test_retry_failed_probes_a_failed_patch_again_and_leaves_a_lost_one_lost(fake_modules):
+    name = fake_modules.write(SOURCE)
+    answers = ["expected f(x, y); found f(x)"]
+    p1, _ = counted_patch("p1", name, probe=lambda current: answers[0])
+    p2, _ = counted_patch("p2", name, attribute="g")  # g added (MISSING), then assigned over: lost
+    later, _ = counted_patch("later", fake_modules.write(SOURCE), probe=_drift)  # never imported
+    reg = make_registry([p1, p2, later])
+    reg.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod = importlib.import_module(name)
+    mod.g = "someone else's"
+    assert status(reg, "p1").status == "failed" and status(reg, "p2").status == "failed"
+    reg.retry_failed()
+    assert status(reg, "p1").status == "failed"  # the probe still fails
+    answers[0] = None  # what moved is back (check run again in one process)
+    reg.retry_failed()
+    assert status(reg, "p1").status == "applied" and mod.f(1) == ("patched", ("orig", 1))
+    assert status(reg, "p2").reason.startswith("applied, then lost") and mod.g == "someone else's"
+    assert status(reg, "later").status == "pending"  # its module is not imported: nothing to probe
+    reg.deactivate()
+
+
 # -- version gates -----------------------------------------------------------------------
 
 

@@ -117,31 +117,51 @@ def bind_problem(call, obj: Any = None) -> str | None:
     return None
 
 
+def absent(call) -> bool:
+    """An optional call whose target is not there: not called here."""
+    if not call.optional:
+        return False
+    try:
+        import_attr(call.module, call.attr)
+    except (ImportError, AttributeError):
+        return True
+    return False
+
+
 def first_binding(forms, obj: Any = None):
-    """(the first of ``forms`` that binds, None) or (None, the problems of each, joined)."""
-    problems = []
+    """(the first of ``forms`` that binds, None) or (None, the problems of each, joined). An absent
+    optional form counts only where no form's target is there (a present one is what is called)."""
+    problems, missing = [], None
     for form in forms:
+        if obj is None and absent(form):
+            missing = missing or form
+            continue
         problem = bind_problem(form, obj)
         if problem is None:
             return form, None
         problems.append(problem)
+    if missing is not None and not problems:
+        return missing, None
     return None, " / ".join(problems)
 
 
-def calls_problem(specs) -> str | None:
+def for_speculators(call, speculators_version: str | None) -> bool:
+    """Whether ``call`` applies to this speculators release (``Call.speculators``; any if unknown)."""
+    if not call.speculators or not speculators_version:
+        return True
+    from packaging.specifiers import SpecifierSet
+
+    from ..versions import in_range
+
+    return in_range(speculators_version, SpecifierSet(call.speculators))
+
+
+def calls_problem(specs, speculators_version: str | None = None) -> str | None:
     """None if every declared call binds (a spec: a Call, or a tuple of forms one of which must),
     else the first one's problem: a probe binds its patch's own ``calls`` as ``check`` does."""
     for spec in specs:
-        problem = first_binding(spec if isinstance(spec, tuple) else (spec,))[1]
+        forms = tuple(f for f in (spec if isinstance(spec, tuple) else (spec,)) if for_speculators(f, speculators_version))
+        problem = first_binding(forms)[1] if forms else None
         if problem:
             return problem
     return None
-
-
-def absent(call) -> bool:
-    """An optional call whose target is not there (bound as "not called here")."""
-    try:
-        import_attr(call.module, call.attr)
-    except (ImportError, AttributeError):
-        return call.optional
-    return False

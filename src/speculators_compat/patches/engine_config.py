@@ -74,7 +74,7 @@ def _probe_model_config(current):
 
 def _probe_scheduler_config(current):
     real = import_attr("vllm.config", "SchedulerConfig")
-    return require_params(real, ("max_num_seqs", "max_model_len", "max_num_batched_tokens"), "vllm.config.SchedulerConfig")
+    return require_params(real, _SCHEDULER_CONFIG_KW, "vllm.config.SchedulerConfig")
 
 
 def block_size_is_resolved_by_vllm(cache_config_cls) -> bool:

@@ -9,7 +9,7 @@ Versions: compat_matrix.yaml. Details: docs/MODULES.md.
 from __future__ import annotations
 
 from ..registry import Call, wrapper_patch
-from ._signatures import GENERATOR, first_binding, import_attr, parameters
+from ._signatures import GENERATOR, calls_problem, first_binding, import_attr, parameters
 
 KV_UTILS = "vllm.v1.core.kv_cache_utils"
 KV_PLANNING = "vllm.v1.core.kv_cache_planning"
@@ -79,11 +79,7 @@ def _probe_common(current, what: str) -> str | None:
         import_attr(SPECS, "MambaSpec")
     except (ImportError, AttributeError) as exc:
         return f"expected {SPECS}.MambaSpec; not found ({type(exc).__name__}: {exc})"
-    for forms in (GROUPS_FORMS, UNIFORM_FORMS):
-        problem = first_binding(forms)[1]
-        if problem:
-            return problem
-    return None
+    return calls_problem((GROUPS_FORMS, UNIFORM_FORMS))
 
 
 def _probe_unify(current):
