@@ -8,6 +8,8 @@ importorskip keeps skipping.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import pytest
 
@@ -38,3 +40,21 @@ def pytest_make_collect_report(collector):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     _as_error(outcome.get_result())
+
+
+@pytest.fixture
+def ctrl_c():
+    """``ctrl_c(after_s)``: SIGINT to the main thread after ``after_s``, as a Ctrl-C. Python's own
+    handler is installed for the test: a run started with SIGINT ignored (a background job of a
+    shell without job control) would otherwise never raise KeyboardInterrupt."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers = []
+
+    def press(after_s: float) -> None:
+        timers.append(threading.Timer(after_s, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)))
+        timers[-1].start()
+
+    yield press
+    for t in timers:
+        t.cancel()
+    signal.signal(signal.SIGINT, before)

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import threading
@@ -421,7 +420,7 @@ def test_a_failed_save_is_raised_with_its_cause(tmp_path, monkeypatch):
 
 
 
-def test_ctrl_c_in_drain_drops_the_saves_not_begun_and_a_second_drain_returns_at_once(tmp_path, monkeypatch):
+def test_ctrl_c_in_drain_drops_the_saves_not_begun_and_a_second_drain_returns_at_once(tmp_path, monkeypatch, ctrl_c):
     real, started, release = output.save_tensor_file, [], threading.Event()
 
     def stuck(obj, path, fsync=False):
@@ -437,7 +436,7 @@ def test_ctrl_c_in_drain_drops_the_saves_not_begun_and_a_second_drain_returns_at
         q.submit(i, output.data_name(i), sample(8, seed=i), 8, [1])
     while not started:  # the first save has begun
         time.sleep(0.01)
-    threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
+    ctrl_c(0.3)
     with pytest.raises(KeyboardInterrupt):
         q.drain()
     t = time.monotonic()

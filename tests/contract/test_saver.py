@@ -192,7 +192,7 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def test_ctrl_c_in_drain_ends_the_saver_unwarned_and_a_second_drain_returns_at_once(tmp_path):
+def test_ctrl_c_in_drain_ends_the_saver_unwarned_and_a_second_drain_returns_at_once(tmp_path, ctrl_c):
     pool = ExchangePool()
     queue = _queue(tmp_path / "out", pool)
     assert queue._saver.ready.wait(saver.READY_S)
@@ -202,7 +202,7 @@ def test_ctrl_c_in_drain_ends_the_saver_unwarned_and_a_second_drain_returns_at_o
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _fill(queue, pool, 3)
-        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()  # Ctrl-C
+        ctrl_c(0.3)
         with pytest.raises(KeyboardInterrupt):
             queue.drain()
         t = time.monotonic()
