@@ -24,7 +24,8 @@ TRANSFORMERS_4_PIN = "4.57.6"
 SPEC_DEPS_SKIP = {"torch", "transformers", "deepspeed", "accelerate", "vllm", "wandb"}
 # Deps of speculators-compat itself (installed --no-deps, editable).
 SELF_DEPS = ["wrapt>=2.2,<3", "packaging", "pyyaml"]
-TEST_TOOLS = ["pytest"]
+# test tools (distribution: the module the gate imports); xdist runs make test's files on 2 processes
+TEST_TOOLS = {"pytest": "pytest", "pytest-xdist": "xdist"}
 
 UV_ENV = {"UV_CONSTRAINT": "", "PIP_CONSTRAINT": "", "UV_PYTHON_DOWNLOADS": "never"}
 

@@ -143,7 +143,7 @@ def gate_modules(spec: str, vllm: str, self_installed: bool, extras: list[str]) 
         mods.append("speculators")
         if vllm != "none":  # speculators.data_generation imports vLLM (an env for training has none)
             mods += ["speculators.data_generation", "speculators.data_generation.vllm_hidden_states_generator"]
-    return mods + [e.split("=")[0].split("<")[0].split(">")[0] for e in extras if e in TEST_TOOLS]
+    return mods + [TEST_TOOLS[e] for e in extras if e in TEST_TOOLS]
 
 
 def run_gate(runner: "Runner", py: str, mods: list[str]) -> str | None:

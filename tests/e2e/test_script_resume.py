@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]  # alone: a kill aimed at k files must land before the run ends
 
 pytest.importorskip("vllm")
 pytest.importorskip("speculators")
