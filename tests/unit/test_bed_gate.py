@@ -23,6 +23,8 @@ def test_gate_modules_import_the_shim_first():
     assert "speculators.data_generation.vllm_hidden_states_generator" in mods and mods[-1] == "pytest"
     # an env for training (no vLLM): speculators.data_generation imports vLLM, so only speculators
     assert bed.envs.gate_modules("0.4.0.1", "none", False, []) == ["speculators"]
+    # a test tool is gated by its module, not its distribution's name (pytest-xdist imports as xdist)
+    assert bed.envs.gate_modules("0.3.0", "0.16.0", False, ["pytest", "pytest-xdist", "matplotlib"])[-2:] == ["pytest", "xdist"]
 
 
 def test_gate_passes_and_fails_for_real(tmp_path):
