@@ -72,7 +72,7 @@ test: unit
 	  PYBIN=$$($(PY) scripts/bed.py python --speculators $$s --vllm $$v); \
 	  sel=" and not rehearsal"; case " $(REHEARSAL_PAIR) " in *" all "*|*" $$pair "*) sel="";; esac; \
 	  export BED_STRICT_IMPORTS=1 SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1; \
-	  $$PYBIN -m pytest tests/contract tests/e2e -q -rs -n $(TEST_PROCS) --dist loadfile -m "not serial$$sel"; \
+	  $$PYBIN -m pytest tests/contract tests/e2e -q -rs --durations=40 -n $(TEST_PROCS) --dist loadfile -m "not serial$$sel"; \
 	  $$PYBIN -m pytest tests/contract tests/e2e -q -rs -m "serial$$sel"; \
 	done
 

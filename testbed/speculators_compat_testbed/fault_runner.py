@@ -154,9 +154,10 @@ def _disarm_plant(worker):
     return True
 
 
-def run_recover(args) -> dict:
+def run_recover(args, result: dict) -> dict:
     """Faults the generator must survive on ONE engine: after each, the next call gives states
-    identical to a clean call (or, where it cannot, a one-line error on every later call)."""
+    identical to a clean call (or, where it cannot, a one-line error on every later call).
+    ``result`` is filled as the battery goes, so a battery cut short still reports its cases."""
     import resource
     import threading
 
@@ -172,7 +173,8 @@ def run_recover(args) -> dict:
 
     from speculators_compat.versions import installed_versions
 
-    result: dict = {"versions": {k: v.version for k, v in installed_versions().items()}, "cases": {}}
+    result.update(versions={k: v.version for k, v in installed_versions().items()}, cases={},
+                  rpc_timeout_s=args.timeout)
     model_dir = tiny_models.build_tiny_model("llama", num_layers=4, hidden_size=128)
     gen = VllmHiddenStatesGenerator(str(model_dir), layer_ids=[1, 2, 3], max_model_len=4096)
     # several scheduler steps (> max_num_batched_tokens), more than ten sequences
@@ -356,9 +358,9 @@ def run_recover(args) -> dict:
     return result
 
 
-def run(args) -> dict:
+def run(args, result: dict) -> dict:
     if args.fault == "recover":
-        return run_recover(args)
+        return run_recover(args, result)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["SPECULATORS_COMPAT_RPC_TIMEOUT"] = str(args.timeout)
     # engine steps are bounded by vLLM's own execute_model timeout (default 300 s)
@@ -369,10 +371,7 @@ def run(args) -> dict:
 
     for key, value in tiny_models.vllm_env("llama", "cpu").items():
         os.environ.setdefault(key, value)
-    result: dict = {
-        "rpc_timeout_s": args.timeout,
-        "fault": f"{sig.name} every vLLM worker before engine step 2",
-    }
+    result.update(rpc_timeout_s=args.timeout, fault=f"{sig.name} every vLLM worker before engine step 2")
     model_dir = tiny_models.build_tiny_model("llama", num_layers=4, hidden_size=128)
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
@@ -482,7 +481,12 @@ def main(argv=None) -> int:
     from speculators_compat_testbed.provenance import provenance, scrub_paths
 
     prov = provenance()
-    result = run(args)
+    result: dict = {}
+    try:
+        run(args, result)
+    except BaseException as exc:  # noqa: BLE001 - a battery cut short still reports what it saw
+        result["aborted"] = _outcome(exc)
+        traceback.print_exc()
     result = {"provenance": prov, **scrub_paths(json.loads(json.dumps(result, default=str)))}
     text = json.dumps(result, indent=2)
     if args.out:

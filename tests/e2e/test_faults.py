@@ -15,15 +15,19 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm")
 pytest.importorskip("speculators")
 
-BOUND_S = 30
+BOUND_S = 30  # the RPC bound a dead or stopped worker must be reported within
+# The recovery battery asserts no time: its RPC bound only has to exceed a slow step. At 30 s one
+# fence once timed out in CI (test files on two processes sharing two cores; 0.2-0.5 s here alone,
+# beside a second engine or a TP 2 engine), and every later case then read "unusable".
+RECOVER_BOUND_S = 300
 
 
-def _fault(tmp_path, fault: str) -> dict:
+def _fault(tmp_path, fault: str, bound_s: float = BOUND_S) -> dict:
     out = tmp_path / f"fault-{fault}.json"
     proc = subprocess.run(
         [
             sys.executable, "-m", "speculators_compat_testbed.fault_runner",
-            "--out", str(out), "--timeout", str(BOUND_S), "--fault", fault,
+            "--out", str(out), "--timeout", str(bound_s), "--fault", fault,
         ],
         capture_output=True,
         text=True,
@@ -85,8 +89,10 @@ def test_generator_survives_faults(tmp_path):
     an exception inside a worker, a bad capture re-setup, exchange memory the kernel refuses,
     two threads at once): each is an error (or, for the threads, two right answers) and the next
     call's states are identical to a clean call's."""
-    r = _fault(tmp_path, "recover")
+    r = _fault(tmp_path, "recover", RECOVER_BOUND_S)
     cases = r["cases"]
+    first_bad = next(((n, c) for n, c in cases.items() if not c["next_call_identical"]), None)
+    assert "aborted" not in r and first_bad is None, (r.get("aborted"), first_bad)
     assert r["reply_reads_per_call"] >= 6, r["reply_reads_per_call"]
     interrupts = [n for n in cases if n.startswith("interrupt_at_read_")]
     assert len(interrupts) == r["reply_reads_per_call"]
