@@ -28,6 +28,14 @@ def test_check_passes_probes_on_the_installed_vllm():
     assert len(sites) >= 20
 
 
+def _in_fresh_process(script: str):
+    """Run ``script`` in a new interpreter; the JSON it printed after ``RESULT ``."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
 _REMOVED_DRIVER_INTERNAL = """
 import json
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -53,10 +61,7 @@ def test_check_reports_a_removed_internal_as_drift():
     # a process ran first)
     from speculators_compat.check import EXIT_DRIFT
 
-    proc = subprocess.run([sys.executable, "-c", _REMOVED_DRIVER_INTERNAL], capture_output=True, text=True, timeout=900)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, proc.stderr[-3000:]
-    code, findings, again, drift_again = json.loads(line[len("RESULT "):])
+    code, findings, again, drift_again = _in_fresh_process(_REMOVED_DRIVER_INTERNAL)
     assert code == EXIT_DRIFT
     drift = [f for f in findings if f[1] == "drift"]
     # named by the patch that calls it (its probe needs it, so the patch is not applied)
@@ -85,10 +90,7 @@ def test_check_reports_a_resigned_driver_call_as_drift():
     # a fresh process: the driver's calls as imported before anything else patched them
     from speculators_compat.check import EXIT_DRIFT
 
-    proc = subprocess.run([sys.executable, "-c", _RESIGNED_DRIVER_CALL], capture_output=True, text=True, timeout=900)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, proc.stderr[-3000:]
-    code, findings = json.loads(line[len("RESULT "):])
+    code, findings = _in_fresh_process(_RESIGNED_DRIVER_CALL)
     assert code == EXIT_DRIFT
     site = next(f for f in findings if f[1] == "drift" and "update_from_output" in f[0])
     assert site[0].startswith("patch generate-driver: ") and "step_stats" in site[2], site
