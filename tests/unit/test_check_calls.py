@@ -248,11 +248,12 @@ def test_every_patch_declares_its_calls_with_known_targets():
     from speculators_compat.patches import all_patches
 
     by_id = {p.id: p for p in all_patches()}
-    for pid in ("kv-cache-config-args", "kv-cache-layout", "scheduler-args", "request-args", "generate-driver"):
+    for pid in ("kv-cache-config-args", "kv-cache-layout", "scheduler-args", "request-args", "generate-driver",
+                "worker-capture-hooks", "worker-capture-rpc", "script-tp-default", "device-name-no-accelerator"):
         assert by_id[pid].calls, pid
         for spec in by_id[pid].calls:
             for form in spec if isinstance(spec, tuple) else (spec,):
-                assert isinstance(form, Call) and form.module.startswith("vllm."), (pid, form)
+                assert isinstance(form, Call) and form.module.split(".")[0] in ("vllm", "speculators", "torch"), (pid, form)
 
 
 # -- the step driver: the executor's calls with non_block (0.11.1+ futures) or blocking (before the split)
@@ -342,3 +343,53 @@ def test_driver_call_with_a_new_required_parameter_is_drift(fake_vllm):
     drift = [f for code, f in findings if code == EXIT_DRIFT]
     assert [f.name.split(".")[-1].split("(")[0] for f in drift] == ["execute_model"], findings
     assert "grammar_output" in drift[0].detail, drift[0]
+
+
+# -- the calls of the worker capture and of the worker-start cause record (declared at src tree after 18b9dba)
+
+
+class RMSNormNow:  # vLLM 0.11-0.32
+    def forward_native(self, x, residual=None): ...
+
+
+class RMSNormResidualRequired:  # a release whose native norm requires the residual
+    def forward_native(self, x, residual): ...
+
+
+class StoreNow:  # speculators 0.3.0-0.4.0.1
+    def _store_captured_states(self, aux_hidden_states): ...
+
+
+class StoreRenamed:
+    def _store_captured_states(self, aux_hidden_states, positions): ...
+
+
+@pytest.mark.parametrize("cls, drift", [(RMSNormNow, False), (RMSNormResidualRequired, True)])
+def test_the_self_checks_final_norm_call_is_bound(fake_vllm, cls, drift):
+    from speculators_compat.patches.worker_capture import RPC_CALLS
+
+    fake_vllm.RMSNorm = cls
+    code, finding = _exit_code(fake_vllm.repoint(RPC_CALLS[0]))
+    assert (code == EXIT_DRIFT) == drift and ("residual" in finding.detail) == drift, finding
+
+
+@pytest.mark.parametrize("cls, drift", [(StoreNow, False), (StoreRenamed, True)])
+def test_the_hooks_legacy_store_call_is_bound(fake_vllm, cls, drift):
+    from speculators_compat.patches.worker_capture import HOOKS_CALLS
+
+    fake_vllm.HiddenStatesWorkerExtension = cls
+    code, finding = _exit_code(fake_vllm.repoint(HOOKS_CALLS[0]))
+    assert (code == EXIT_DRIFT) == drift, finding
+
+
+def test_the_cause_records_logger_call_binds_to_vllms_logger_not_a_narrower_one():
+    import logging
+
+    from speculators_compat.patches.worker_errors import LOG_CALL
+
+    assert bind_problem(LOG_CALL, logging.getLogger("x").exception) is None
+
+    class Narrow:
+        def exception(self, msg): ...
+
+    assert "stacklevel" in bind_problem(LOG_CALL, Narrow().exception)

@@ -156,6 +156,8 @@ def _probe(current):
     compilation = import_attr("vllm.config", "CompilationConfig")
     if not accepts(compilation, "custom_ops"):
         return "expected CompilationConfig(custom_ops=...); not found"
+    if not accepts(import_attr("vllm.config", "VllmConfig"), "compilation_config"):  # config.compilation_config.custom_ops
+        return "expected VllmConfig(compilation_config=...); not found"
     problem = require_params(import_attr("vllm.config", "CacheConfig"), ("sliding_window",), "vllm.config.CacheConfig")
     if problem:
         return problem
@@ -242,6 +244,8 @@ def _probe_rms_norm(current):
     compilation = import_attr("vllm.config", "CompilationConfig")
     if not accepts(compilation, "custom_ops"):
         return "expected CompilationConfig(custom_ops=...); not found"
+    if not accepts(import_attr("vllm.config", "VllmConfig"), "compilation_config"):  # config.compilation_config.custom_ops
+        return "expected VllmConfig(compilation_config=...); not found"
     if not on_cpu():
         return NotNeeded("not the CPU platform (the CPU rms_norm kernel is the one that ignores strides)")
     rms_norm = import_attr("vllm.model_executor.layers.layernorm", "RMSNorm")

@@ -15,18 +15,20 @@ import inspect
 import json
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ..registry import MISSING, Call, NotNeeded, Patch, wrapper_patch
-from ._signatures import GENERATOR, import_attr, require_params
+from ._signatures import GENERATOR, calls_problem, import_attr, require_params
 
 CONFIG_GENERATOR = "speculators.data_generation.config_generator"
 PREPROCESSING = "speculators.data_generation.preprocessing"
 SCRIPT_FUNCTION = "generate_and_save_hidden_states"
 _log = logging.getLogger("speculators_compat")
+
+
+ACCELERATOR_CALLS = (Call("torch.accelerator", "device_count"),)  # script-tp-default, device-name-no-accelerator
 
 
 def _no_accelerator() -> bool:
@@ -97,10 +99,7 @@ def _probe_tp_default(current):
         inspect.signature(cls.__init__).bind(None, "model", tensor_parallel_size=1)
     except TypeError as exc:
         return f"expected VllmHiddenStatesGenerator(model_path, tensor_parallel_size=1) to bind; {exc}"
-    torch = sys.modules.get("torch") or __import__("torch")
-    if not callable(getattr(getattr(torch, "accelerator", None), "device_count", None)):
-        return "expected torch.accelerator.device_count(); not found"
-    return None
+    return calls_problem(ACCELERATOR_CALLS)
 
 
 def _device_name(wrapped, instance, args, kwargs):
@@ -112,6 +111,9 @@ def _device_name(wrapped, instance, args, kwargs):
 def _probe_device_name(current):
     if current is MISSING or not callable(current):
         return f"expected {CONFIG_GENERATOR}.get_device_name (speculators.utils.util); found {current!r}"
+    problem = calls_problem(ACCELERATOR_CALLS)
+    if problem:
+        return problem
     try:
         inspect.signature(current).bind(0)
     except (TypeError, ValueError) as exc:
@@ -530,6 +532,7 @@ PATCHES = [
         attribute="VllmHiddenStatesGenerator.__new__",
         build=_build_tp_default,
         probe=_probe_tp_default,
+        calls=ACCELERATOR_CALLS,
     ),
     wrapper_patch(
         "device-name-no-accelerator",
@@ -538,6 +541,7 @@ PATCHES = [
         "get_device_name",
         _device_name,
         _probe_device_name,
+        calls=ACCELERATOR_CALLS,
     ),
     wrapper_patch(
         "script-main-ready",

@@ -17,8 +17,8 @@ from ..extraction import protocol, selfcheck
 from ..extraction.capture import CaptureState
 from ..extraction.protocol import RPC_NAME
 from ..layers import adapter_for, find_decoder_stack
-from ..registry import MISSING, Patch, wrapper_patch
-from ._signatures import WORKER, parameters
+from ..registry import MISSING, Call, Patch, wrapper_patch
+from ._signatures import WORKER, import_attr, parameters
 
 __all__ = ["RPC_NAME", "STATE_ATTR", "compat_rpc", "setup_hidden_states_capture"]
 
@@ -227,14 +227,36 @@ def _replace_setup(wrapped, instance, args, kwargs):
     return setup_hidden_states_capture(instance, *args, **kwargs)
 
 
+# Bound by check, not required by the probes: the driver's path runs without them. The hooks call
+# speculators' own store on its legacy path (speculators' own generate) and a multimodal wrapper's
+# language model where it has one (layers.find_decoder_stack falls back); the RPC's self-check
+# calls the model's final norm (a failure there reads "not covered").
+HOOKS_CALLS = (
+    Call(WORKER, "HiddenStatesWorkerExtension._store_captured_states", args=("aux_hidden_states",)),
+    Call("vllm.model_executor.models.interfaces", "SupportsMultiModal.get_language_model", optional=True),
+)
+RPC_CALLS = (Call("vllm.model_executor.layers.layernorm", "RMSNorm.forward_native", args=("x",)),)
+
+
 def _probe_setup(current):
     params = parameters(current)
     if params is None or "layer_ids" not in params:
         return f"expected _setup_hidden_states_capture(self, layer_ids); found {current!r}"
     try:
         from vllm.distributed import get_tp_group  # noqa: F401
+        from vllm.distributed.parallel_state import GroupCoordinator
     except ImportError as exc:
-        return f"expected vllm.distributed.get_tp_group; import failed: {exc}"
+        return f"expected vllm.distributed.get_tp_group and GroupCoordinator; import failed: {exc}"
+    from .engine_options import _code_names
+
+    if "rank_in_group" not in _code_names(GroupCoordinator.__init__):
+        return "expected GroupCoordinator.__init__ to set rank_in_group (the capturing rank is 0); not found"
+    try:  # V1 model runners: the batch's row order is input_batch.req_ids
+        v1_batch = import_attr("vllm.v1.worker.gpu_input_batch", "InputBatch")
+    except (ImportError, AttributeError):
+        v1_batch = None  # no V1 runner here: the V2 order (worker-v2-batch-order)
+    if v1_batch is not None and not hasattr(v1_batch, "req_ids"):
+        return "expected the V1 InputBatch to have req_ids (the batch's row order); not found"
     return None
 
 
@@ -264,6 +286,7 @@ PATCHES = [
         "HiddenStatesWorkerExtension._setup_hidden_states_capture",
         _replace_setup,
         _probe_setup,
+        calls=HOOKS_CALLS,
         # on V2 model runners the capture places rows in the batch order this patch reads
         requires=("worker-v2-batch-order",),
     ),
@@ -274,6 +297,7 @@ PATCHES = [
         attribute=f"HiddenStatesWorkerExtension.{RPC_NAME}",
         build=_build_rpc,
         probe=_probe_rpc,
+        calls=RPC_CALLS,
         requires=("worker-capture-hooks",),  # the RPC serves the hooks' capture
     ),
 ]

@@ -20,8 +20,8 @@ import threading
 import time
 import traceback
 
-from ..registry import Patch, wrapper_patch
-from ._signatures import EXECUTOR as MULTIPROC, import_attr
+from ..registry import Call, Patch, wrapper_patch
+from ._signatures import EXECUTOR as MULTIPROC, bind_problem, import_attr
 
 FOLDER_ENV = "SPECULATORS_COMPAT_WORKER_CAUSES"  # the caller's folder for this start, read by its workers
 START_FAILED = "WorkerProc failed to start"  # vLLM's log line in worker_main
@@ -111,9 +111,17 @@ def _build_logger(current):
     return CauseRecordingLogger(current)
 
 
+# CauseRecordingLogger.exception's call of vLLM's logger (bound by the probe against vLLM's own
+# logger: once applied, the module's logger is the shim's, which takes anything)
+LOG_CALL = Call(MULTIPROC, "logger.exception", args=("msg",), kwargs=("stacklevel",))
+
+
 def _probe_logger(current):
     if not callable(getattr(current, "exception", None)):
         return f"expected {MULTIPROC}.logger with exception(); found {current!r}"
+    problem = bind_problem(LOG_CALL, current.exception)
+    if problem:
+        return problem
     worker_main = getattr(import_attr(MULTIPROC, "WorkerProc"), "worker_main", None)
     from .engine_options import _code_constants, _code_names
 
