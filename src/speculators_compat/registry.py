@@ -61,7 +61,8 @@ class Call:
     ``attr`` dotted (``Class.method``; a class: its constructor); ``args`` passed positionally
     (their count binds); ``kwargs`` the keyword names; ``speculators`` a specifier limiting the
     call to those releases; ``optional``: called only where it exists. ``check`` binds each
-    declared call against the installed signature, so a patch and its probe cannot drift apart.
+    declared call against the installed signature (drift names it); a probe binds those its
+    patch cannot work without (``calls_problem``), the rest are check's alone.
     """
 
     module: str

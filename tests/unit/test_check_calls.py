@@ -360,7 +360,7 @@ class StoreNow:  # speculators 0.3.0-0.4.0.1
     def _store_captured_states(self, aux_hidden_states): ...
 
 
-class StoreRenamed:
+class StoreNewParam:
     def _store_captured_states(self, aux_hidden_states, positions): ...
 
 
@@ -373,7 +373,7 @@ def test_the_self_checks_final_norm_call_is_bound(fake_vllm, cls, drift):
     assert (code == EXIT_DRIFT) == drift and ("residual" in finding.detail) == drift, finding
 
 
-@pytest.mark.parametrize("cls, drift", [(StoreNow, False), (StoreRenamed, True)])
+@pytest.mark.parametrize("cls, drift", [(StoreNow, False), (StoreNewParam, True)])
 def test_the_hooks_legacy_store_call_is_bound(fake_vllm, cls, drift):
     from speculators_compat.patches.worker_capture import HOOKS_CALLS
 

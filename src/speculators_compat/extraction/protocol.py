@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -112,48 +111,45 @@ def fence_supported(executor) -> str | None:
 
 def fence(executor, timeout: float) -> int:
     """Re-synchronise the workers' reply queues after an interrupted call: abandon every
-    pending future, send a ``fence`` RPC and read each worker's queue up to its reply, allowing
-    ``timeout`` for the fence and for each abandoned RPC the workers may still be running.
-    Returns how many stale replies were discarded. Raises ``ExtractionError`` where it cannot."""
+    pending future, send a ``fence`` RPC and read each worker's queue up to its reply. Each reply
+    (stale or the fence's) may take ``timeout``: the workers answer in order, and may still be
+    running the interrupted call and those queued behind it. Returns how many stale replies were
+    discarded. Raises ``ExtractionError`` where it cannot, saying what it waited for."""
     why = fence_supported(executor)
     if why:
         raise ExtractionError(f"cannot re-synchronise the workers' replies: {why}")
     from concurrent.futures import InvalidStateError
 
     queue = executor.futures_queue
-    abandoned = 0
+    queued = 0
     while queue:
         pending = queue.pop()
-        abandoned += 1
+        queued += 1
         if isinstance(pending, tuple):  # vLLM < 0.2x queues (future, get_response)
             pending = pending[0]
         try:
             pending.set_exception(RuntimeError("abandoned by speculators-compat after an interrupted call"))
         except InvalidStateError:
             pass
-    budget = timeout * (1 + abandoned)  # the workers answer in order: the fence comes after those
     seq = next_seq()
-    future = executor.collective_rpc(RPC_NAME, args=(seq, FENCE), timeout=budget, non_block=True)
+    future = executor.collective_rpc(RPC_NAME, args=(seq, FENCE), timeout=timeout, non_block=True)
     for item in list(queue):  # its reply is read here, below, not by the future
         if item is future or (isinstance(item, tuple) and item[0] is future):
             queue.remove(item)
-    deadline = time.monotonic() + budget
     discarded = 0
     for rank, mq in enumerate(executor.response_mqs):
+        stale = 0
         while True:
-            left = deadline - time.monotonic()
             try:
-                if left <= 0:
-                    raise TimeoutError
-                _status, result = mq.dequeue(timeout=left)
+                _status, result = mq.dequeue(timeout=timeout)
             except TimeoutError:
                 raise ExtractionError(
-                    f"re-synchronising the workers' replies timed out after {budget:g}s: expected rank {rank}'s "
-                    f"reply to fence #{seq}; found {discarded} stale repl{'y' if discarded == 1 else 'ies'}, then "
-                    f"nothing ({abandoned} interrupted RPC(s) abandoned; {timeout:g}s allowed for each and for the "
-                    f"fence, SPECULATORS_COMPAT_RPC_TIMEOUT)"
+                    f"re-synchronising the workers' replies: expected rank {rank}'s reply to fence #{seq}; found "
+                    f"{stale} stale repl{'y' if stale == 1 else 'ies'} from it, then none for {timeout:g}s "
+                    f"(SPECULATORS_COMPAT_RPC_TIMEOUT; {queued} queued RPC(s) abandoned)"
                 ) from None
             if isinstance(result, dict) and result.get("seq") == seq:
                 break
-            discarded += 1
+            stale += 1
+        discarded += stale
     return discarded

@@ -158,7 +158,7 @@ def for_speculators(call, speculators_version: str | None) -> bool:
 
 def calls_problem(specs, speculators_version: str | None = None) -> str | None:
     """None if every declared call binds (a spec: a Call, or a tuple of forms one of which must),
-    else the first one's problem: a probe binds its patch's own ``calls`` as ``check`` does."""
+    else the first one's problem: a probe binds the ``calls`` its patch needs as ``check`` does."""
     for spec in specs:
         forms = tuple(f for f in (spec if isinstance(spec, tuple) else (spec,)) if for_speculators(f, speculators_version))
         problem = first_binding(forms)[1] if forms else None

@@ -156,8 +156,6 @@ def _probe(current):
     compilation = import_attr("vllm.config", "CompilationConfig")
     if not accepts(compilation, "custom_ops"):
         return "expected CompilationConfig(custom_ops=...); not found"
-    if not accepts(import_attr("vllm.config", "VllmConfig"), "compilation_config"):  # config.compilation_config.custom_ops
-        return "expected VllmConfig(compilation_config=...); not found"
     problem = require_params(import_attr("vllm.config", "CacheConfig"), ("sliding_window",), "vllm.config.CacheConfig")
     if problem:
         return problem
@@ -241,13 +239,13 @@ def _native_rms_norm_on_cpu(wrapped, instance, args, kwargs):
 def _probe_rms_norm(current):
     if parameters(current) is None:
         return "expected VllmHiddenStatesGenerator._create_vllm_config to be a method"
+    if not on_cpu():
+        return NotNeeded("not the CPU platform (the CPU rms_norm kernel is the one that ignores strides)")
     compilation = import_attr("vllm.config", "CompilationConfig")
     if not accepts(compilation, "custom_ops"):
         return "expected CompilationConfig(custom_ops=...); not found"
     if not accepts(import_attr("vllm.config", "VllmConfig"), "compilation_config"):  # config.compilation_config.custom_ops
         return "expected VllmConfig(compilation_config=...); not found"
-    if not on_cpu():
-        return NotNeeded("not the CPU platform (the CPU rms_norm kernel is the one that ignores strides)")
     rms_norm = import_attr("vllm.model_executor.layers.layernorm", "RMSNorm")
     if getattr(rms_norm, "name", None) != "rms_norm":
         return f"expected RMSNorm registered as custom op 'rms_norm'; found {getattr(rms_norm, 'name', None)!r}"

@@ -230,7 +230,8 @@ def _replace_setup(wrapped, instance, args, kwargs):
 # Bound by check, not required by the probes: the driver's path runs without them. The hooks call
 # speculators' own store on its legacy path (speculators' own generate) and a multimodal wrapper's
 # language model where it has one (layers.find_decoder_stack falls back); the RPC's self-check
-# calls the model's final norm (a failure there reads "not covered").
+# calls the model's final norm (a failure there reads "not covered"): RMSNorm's native form
+# stands for it (other norm classes, and the CUDA form its dispatch may pick, are not bound).
 HOOKS_CALLS = (
     Call(WORKER, "HiddenStatesWorkerExtension._store_captured_states", args=("aux_hidden_states",)),
     Call("vllm.model_executor.models.interfaces", "SupportsMultiModal.get_language_model", optional=True),
@@ -249,13 +250,16 @@ def _probe_setup(current):
         return f"expected vllm.distributed.get_tp_group and GroupCoordinator; import failed: {exc}"
     from .engine_options import _code_names
 
-    if "rank_in_group" not in _code_names(GroupCoordinator.__init__):
-        return "expected GroupCoordinator.__init__ to set rank_in_group (the capturing rank is 0); not found"
+    def has(cls, name):  # a class attribute or property, or one its __init__ sets
+        return hasattr(cls, name) or name in _code_names(cls.__init__)
+
+    if not has(GroupCoordinator, "rank_in_group"):
+        return "expected GroupCoordinator.rank_in_group (the capturing rank is 0); not found"
     try:  # V1 model runners: the batch's row order is input_batch.req_ids
         v1_batch = import_attr("vllm.v1.worker.gpu_input_batch", "InputBatch")
-    except (ImportError, AttributeError):
-        v1_batch = None  # no V1 runner here: the V2 order (worker-v2-batch-order)
-    if v1_batch is not None and not hasattr(v1_batch, "req_ids"):
+    except Exception:  # noqa: BLE001 - no V1 runner here: the V2 order (worker-v2-batch-order)
+        v1_batch = None
+    if v1_batch is not None and not has(v1_batch, "req_ids"):
         return "expected the V1 InputBatch to have req_ids (the batch's row order); not found"
     return None
 
