@@ -208,9 +208,11 @@ def load_results(out_dir: Path) -> list[dict]:
     rows = []
     for p in sorted(out_dir.glob("spec-*_vllm-*.json")):
         try:
-            rows.append(json.loads(p.read_text()))
+            row = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
+        if {"request", "git"} <= row.keys():  # not one of this sweep's (e.g. the 0.33 control envs' checks)
+            rows.append(row)
     return sorted(rows, key=lambda r: (vkey(r["request"]["vllm"]), vkey(r["request"]["speculators"])))
 
 
