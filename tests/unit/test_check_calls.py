@@ -345,7 +345,7 @@ def test_driver_call_with_a_new_required_parameter_is_drift(fake_vllm):
     assert "grammar_output" in drift[0].detail, drift[0]
 
 
-# -- the calls of the worker capture and of the worker-start cause record (declared at src tree after 18b9dba)
+# -- the calls of the worker capture and of the worker-start cause record
 
 
 class RMSNormNow:  # vLLM 0.11-0.32
