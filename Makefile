@@ -62,18 +62,16 @@ dist-check: dev
 install-check: bed-tools
 	bash scripts/readme_install_check.sh
 
-# each pair: its test files on TEST_PROCS processes (pytest-xdist, a file stays on one), then the
-# tests marked serial alone (they SIGKILL a run once it has written k files: a race on a busy CPU)
+# each pair: its test files on TEST_PROCS processes (pytest-xdist, a file stays on one)
 TEST_PROCS ?= 2
 test: unit
 	@set -e; for pair in $(TEST_PAIRS); do \
 	  s=$${pair%%:*}; v=$${pair##*:}; \
 	  echo "== contract + e2e: speculators $$s, vLLM $$v"; \
 	  PYBIN=$$($(PY) scripts/bed.py python --speculators $$s --vllm $$v); \
-	  sel=" and not rehearsal"; case " $(REHEARSAL_PAIR) " in *" all "*|*" $$pair "*) sel="";; esac; \
+	  sel="not rehearsal"; case " $(REHEARSAL_PAIR) " in *" all "*|*" $$pair "*) sel="";; esac; \
 	  export BED_STRICT_IMPORTS=1 SPECULATORS_COMPAT_E2E_ARCHS=$(E2E_ARCHS) VLLM_CPU_KVCACHE_SPACE=1; \
-	  $$PYBIN -m pytest tests/contract tests/e2e -q -rs --durations=40 -n $(TEST_PROCS) --dist loadfile -m "not serial$$sel"; \
-	  $$PYBIN -m pytest tests/contract tests/e2e -q -rs -m "serial$$sel"; \
+	  $$PYBIN -m pytest tests/contract tests/e2e -q -rs --durations=40 -n $(TEST_PROCS) --dist loadfile $${sel:+-m "$$sel"}; \
 	done
 
 sweep: bed-tools
