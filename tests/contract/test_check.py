@@ -183,7 +183,7 @@ def _users_matrix(tmp_path, vllm_range_for: dict[str, str] | None = None, all_ou
         if all_out or pid in (vllm_range_for or {}):
             entry["vllm"] = (vllm_range_for or {}).get(pid, "<0.1")
     path = tmp_path / "users_matrix.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return str(path)
 
 

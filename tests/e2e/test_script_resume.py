@@ -75,8 +75,8 @@ def env(extra: dict | None = None) -> dict:
 
 # planted in every process of a run that is to be killed (sitecustomize, after the shim's): the
 # process reaching the point SPECULATORS_COMPAT_TEST_FREEZE names writes the marker file, then stops
-# itself, so nothing after that point happens before the test's SIGKILL
-# ("files:K": once the manifest records K files; "preprocess": at the first write of a datasets cache)
+# itself, so nothing after that point happens before the test's SIGKILL ("files:K": once the
+# manifest records K intact files; "preprocess": at the first write of a datasets cache)
 FREEZE = """
 import os
 import signal
@@ -89,6 +89,11 @@ def _freeze():
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _intact(folder, records):
+    return sum(1 for r in records if os.path.isfile(os.path.join(folder, r["file"]))
+               and os.path.getsize(os.path.join(folder, r["file"])) == r["bytes"])
+
+
 if _point.startswith("files:"):
     import speculators_compat.output as _output
 
@@ -96,7 +101,7 @@ if _point.startswith("files:"):
 
     def append(self, record):
         _append(self, record)
-        if "file" in record and len(self.files) >= int(_point[len("files:"):]):
+        if "file" in record and _intact(self.folder, list(self.files.values())) >= int(_point[len("files:"):]):
             _freeze()
 
     _output.Manifest.append = append
@@ -115,12 +120,27 @@ elif _point == "preprocess":
 
     for _name in ("write", "write_batch", "write_table"):
         _frozen_after(_name)
+
+
+def _chain():  # the next sitecustomize on sys.path, as the shim's boot runs this one
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_chain()
 """
 
 
 def run(setup, out: Path, freeze_at: str | None = None, timeout: float = 900, **kw) -> dict:
-    """Run the script; with ``freeze_at`` (see FREEZE), SIGKILL its process group once a process of
-    it stopped there (a poll every millisecond: cheap, and late polls do not move the kill)."""
+    """Run the script (its output to a file: a full pipe cannot stall it); with ``freeze_at`` (see
+    FREEZE), SIGKILL its process group once a process of it stopped there, or at the timeout."""
     start = time.monotonic()
     extra_env = kw.pop("extra_env", None)
     marker = None
@@ -132,28 +152,42 @@ def run(setup, out: Path, freeze_at: str | None = None, timeout: float = 900, **
         path = os.pathsep.join(p for p in (str(plant), os.environ.get("PYTHONPATH", "")) if p)
         extra_env = {**(extra_env or {}), "PYTHONPATH": path, "SPECULATORS_COMPAT_TEST_FREEZE": freeze_at,
                      "SPECULATORS_COMPAT_TEST_FREEZE_MARKER": str(marker)}
-    proc = subprocess.Popen(command(setup, out, **kw), cwd=kw.get("work") or setup["work"], env=env(extra_env), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = setup["work"] / f"run-{time.monotonic_ns()}.log"
     killed = False
-    if marker is not None:
-        while proc.poll() is None and time.monotonic() - start < timeout:
-            if marker.exists():
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command(setup, out, **kw), cwd=kw.get("work") or setup["work"], env=env(extra_env),
+                                start_new_session=True, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                if marker is not None and marker.exists():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed = True
+                    break
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:  # frozen short of its marker, or past the timeout: nothing left behind
                 os.killpg(proc.pid, signal.SIGKILL)
-                killed = True
-                break
-            time.sleep(0.001)
-    text, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=60)
     if killed:
         try:  # workers of the killed group must be gone before the next run starts its own
             os.killpg(proc.pid, 0)
             time.sleep(1)
         except ProcessLookupError:
             pass
-    return {"rc": proc.returncode, "killed": killed, "log": text, "seconds": time.monotonic() - start}
+    return {"rc": proc.returncode, "killed": killed, "log": log.read_text(errors="replace"),
+            "seconds": time.monotonic() - start}
 
 
 def recorded(out: Path) -> int:
     return len(output.Manifest.read(out).files) if (out / output.MANIFEST).exists() else 0
+
+
+def intact(out: Path) -> int:
+    """Recorded files that are there in full (the planted damage below leaves two that are not)."""
+    if not (out / output.MANIFEST).exists():
+        return 0
+    files = output.Manifest.read(out).files.values()
+    return sum(1 for r in files if (out / r["file"]).is_file() and (out / r["file"]).stat().st_size == r["bytes"])
 
 
 def contents(folder: Path) -> dict[str, bytes]:
@@ -182,14 +216,19 @@ def test_killed_at_every_stage_resumes_to_the_uninterrupted_files(setup, referen
     work = setup["work"] / "killed-work"  # its own datasets cache: preprocessing runs anew
     work.mkdir()
     stages = []
+
+    def stage(name, **kw):
+        r = run(setup, out, work=work, **kw)
+        assert r["killed"], f"{name}: the run was not stopped where aimed (exit {r['rc']}):\n{r['log'][-3000:]}"
+        stages.append((name, r, intact(out)))
+        return r
+
     # 1. during preprocessing: a datasets cache file half-written, no output folder yet
-    r = run(setup, out, work=work, freeze_at="preprocess")
-    stages.append(("preprocessing", r, recorded(out)))
+    stage("preprocessing", freeze_at="preprocess")
     assert not out.exists(), "the preprocessing kill landed after the output folder was made"
     # 2. and 3. during extraction and saving: once 3, then 8 files are recorded
     for k in (3, 8):
-        r = run(setup, out, work=work, freeze_at=f"files:{k}")
-        stages.append((f"after {k} files", r, recorded(out)))
+        stage(f"after {k} files", freeze_at=f"files:{k}")
     # planted damage, as a power loss leaves it: a truncated file, a lost one, a torn manifest line
     files = output.Manifest.read(out).files
     victims = sorted(files)[:2]
@@ -198,17 +237,15 @@ def test_killed_at_every_stage_resumes_to_the_uninterrupted_files(setup, referen
     (out / output.data_name(victims[1])).unlink()
     with open(out / output.MANIFEST, "ab") as f:
         f.write(b'{"file": "data_99.pt", "index": 99, "tok')
-    # 4. during the final writes: the moment every file is recorded
-    r = run(setup, out, work=work, freeze_at=f"files:{ROWS}")
-    stages.append(("final writes", r, recorded(out)))
+    # 4. during the final writes: the moment every file is recorded intact (the two damaged redone)
+    stage("final writes", freeze_at=f"files:{ROWS}")
     # 5. the same command once more, to the end
     r = run(setup, out, work=work)
-    stages.append(("to the end", r, recorded(out)))
+    stages.append(("to the end", r, intact(out)))
     report = [(name, x["rc"], x["killed"], n, round(x["seconds"], 1)) for name, x, n in stages]
     print("\nstages (name, exit, killed, files recorded after, s):", report)
-    assert all(x["killed"] for _, x, _ in stages[:4]), report  # each kill landed where it was aimed
-    # each extraction kill left the files recorded that it was aimed at (another save thread may
-    # record one more before the stop lands), the run unfinished; the last one every file recorded
+    # each extraction kill left at least the files it was aimed at (another save thread may record
+    # one before the stop lands: 4 at k = 3 once), the run unfinished; the last every file intact
     assert 3 <= stages[1][2] < 8 <= stages[2][2] < ROWS == stages[3][2], report
     assert r["rc"] == 0, r["log"][-4000:]
     assert contents(out) == contents(reference), "a resumed file differs from the uninterrupted run's"
