@@ -73,7 +73,8 @@ def env(extra: dict | None = None) -> dict:
     return e
 
 
-# planted in every process of a run that is to be killed (sitecustomize, after the shim's): the
+# planted in every process of a run that is to be killed (sitecustomize: the shim's boot runs it
+# next, and it is the chain's last link, as in the beds, which have no sitecustomize of their own): the
 # process reaching the point SPECULATORS_COMPAT_TEST_FREEZE names writes the marker file, then stops
 # itself, so nothing after that point happens before the test's SIGKILL ("files:K": once the
 # manifest records K intact files; "preprocess": at the first write of a datasets cache)
@@ -120,21 +121,6 @@ elif _point == "preprocess":
 
     for _name in ("write", "write_batch", "write_table"):
         _frozen_after(_name)
-
-
-def _chain():  # the next sitecustomize on sys.path, as the shim's boot runs this one
-    import importlib.machinery
-    import importlib.util
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
-    if spec is not None and spec.loader is not None:
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-
-
-_chain()
 """
 
 
@@ -220,6 +206,7 @@ def test_killed_at_every_stage_resumes_to_the_uninterrupted_files(setup, referen
     def stage(name, **kw):
         r = run(setup, out, work=work, **kw)
         assert r["killed"], f"{name}: the run was not stopped where aimed (exit {r['rc']}):\n{r['log'][-3000:]}"
+        assert "Error in sitecustomize" not in r["log"], r["log"][-3000:]  # the plant loaded, once
         stages.append((name, r, intact(out)))
         return r
 
