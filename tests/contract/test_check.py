@@ -167,9 +167,8 @@ def test_a_row_verified_on_another_platform_only_is_untested(tmp_path):
     """This bed's vLLM is a CPU build: a pair verified on CUDA only is untested here (exit 1), and the
     finding says where it was verified; the control (the same row on cpu) exits 0: the first test."""
     proc, report = _check_with_row(tmp_path, "verified", platform="cuda")
-    code = proc.returncode
     table = [f for f in report["findings"] if f["name"] == "tested-table"]
-    assert code == 1 and table and table[0]["status"] == "untested", report
+    assert proc.returncode == 1 and table and table[0]["status"] == "untested", report
     assert "(cpu)" in table[0]["detail"] and "only on cuda (verified)" in table[0]["detail"], table
 
 

@@ -230,7 +230,7 @@ def test_killed_at_every_stage_resumes_to_the_uninterrupted_files(setup, referen
     r = run(setup, out, work=work)
     stages.append(("to the end", r, intact(out)))
     report = [(name, x["rc"], x["killed"], n, round(x["seconds"], 1)) for name, x, n in stages]
-    print("\nstages (name, exit, killed, files recorded after, s):", report)
+    print("\nstages (name, exit, killed, files intact after, s):", report)
     # each extraction kill left at least the files it was aimed at (another save thread may record
     # one before the stop lands: 4 at k = 3 once), the run unfinished; the last every file intact
     assert 3 <= stages[1][2] < 8 <= stages[2][2] < ROWS == stages[3][2], report
